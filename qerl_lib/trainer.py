@@ -1,0 +1,155 @@
+"""One RL update: scored rollouts of step i + adapter i -> adapter i+1.
+
+Sequences are laid out as the rollout engine saw them: prompts left-padded to a common
+width P, completions right-padded to Tc, so the logits at columns P-1 .. P+Tc-2 predict
+the completion tokens of every row and `logits_to_keep` skips the prompt's logits.
+
+The importance ratio uses `old_logp`: with one mini-batch per step the parameters at
+the backward pass are the ones that "sampled", so old_logp = logp.detach() (ratio 1,
+gradient of logp); with several mini-batches, old_logp is a no-grad pass before the
+first optimizer step. The gap between old_logp and the rollout engine's logprobs is
+reported (`mismatch_kl`) and corrected by truncated importance sampling (`tis_cap`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from qerl_lib.config import QerlConfig
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor       # [B, P + Tc]
+    attention_mask: torch.Tensor  # [B, P + Tc]
+    position_ids: torch.Tensor    # [B, P + Tc]
+    tokens: torch.Tensor          # [B, Tc] completion token ids (pad where mask is 0)
+    mask: torch.Tensor            # [B, Tc] float, 1 on completion tokens that get loss
+    rollout_logp: torch.Tensor    # [B, Tc] float32, sampling logprobs (0 where mask is 0)
+    advantages: torch.Tensor      # [B] float32
+
+
+def build_batch(rows: list[dict], pad_id: int, device: torch.device) -> Batch:
+    """rows: dicts with prompt_token_ids, completion_token_ids, sampling_logprobs, advantage, kept."""
+    B = len(rows)
+    P = max(len(r["prompt_token_ids"]) for r in rows)
+    Tc = max(max(len(r["completion_token_ids"]) for r in rows), 1)
+    ids = torch.full((B, P + Tc), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, P + Tc), dtype=torch.long)
+    tokens = torch.full((B, Tc), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, Tc))
+    rlp = torch.zeros((B, Tc))
+    for i, r in enumerate(rows):
+        p, c = r["prompt_token_ids"], r["completion_token_ids"]
+        ids[i, P - len(p):P] = torch.tensor(p)
+        attn[i, P - len(p):P] = 1
+        if c:
+            ids[i, P:P + len(c)] = torch.tensor(c)
+            attn[i, P:P + len(c)] = 1
+            tokens[i, :len(c)] = torch.tensor(c)
+            mask[i, :len(c)] = 1.0 if r.get("kept", True) else 0.0
+            rlp[i, :len(c)] = torch.tensor(r["sampling_logprobs"], dtype=torch.float32)
+    pos = (attn.cumsum(-1) - 1).clamp_min(0)
+    adv = torch.tensor([float(r["advantage"]) for r in rows], dtype=torch.float32)
+    return Batch(ids.to(device), attn.to(device), pos.to(device), tokens.to(device), mask.to(device),
+                 rlp.to(device), adv.to(device))
+
+
+def policy_logprobs(model, batch: Batch, temperature: float, with_entropy: bool):
+    """-> (logp [B, Tc], entropy [B, Tc] or None) of the completion tokens under softmax(logits / T)."""
+    from qerl_lib.losses import gather_logprobs, token_entropy
+
+    Tc = batch.tokens.shape[1]
+    out = model(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+        use_cache=False, logits_to_keep=Tc + 1,
+    )
+    logits = out.logits[:, :-1, :].float()  # [B, Tc, V]: column P-1+t predicts completion token t
+    if temperature > 0:
+        logits = logits / temperature
+    logp = gather_logprobs(logits, batch.tokens, 1.0)
+    entropy = token_entropy(logits.detach()) if with_entropy else None
+    return logp, entropy
+
+
+def _chunks(n: int, parts: int) -> list[range]:
+    size = math.ceil(n / parts)
+    return [range(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+def train_on_rollouts(policy, optimizer, scheduler, rows: list[dict], cfg: QerlConfig) -> dict:
+    """Run `algo.mini_batches` optimizer steps over `rows` (kept rows only). Returns metrics.
+
+    Each mini-batch is split into micro-batches of `optim.micro_batch_size` sequences whose
+    gradients accumulate; the loss normalisers (sequences, tokens) are those of the whole
+    mini-batch, so the accumulated gradient equals the full mini-batch's.
+    """
+    from qerl_lib.losses import LOSSES, LossNorm, add_stats
+    from qerl_lib.optim import clip_grad_norm
+
+    model = policy.model
+    loss_fn = LOSSES[cfg.algo.loss]
+    temperature = float(rows[0]["temperature"])
+    params = [p for p in model.parameters() if p.requires_grad]
+    mbs = cfg.optim.micro_batch_size
+    pad = policy.tokenizer.pad_token_id
+    use_ref = cfg.algo.loss == "grpo" and cfg.algo.beta > 0
+    minis = [[rows[i] for i in idx] for idx in _chunks(len(rows), cfg.algo.mini_batches)]
+    micro = [[b for b in (build_batch(m[i:i + mbs], pad, policy.device) for i in range(0, len(m), mbs))]
+             for m in minis]
+
+    old_logps: dict[tuple[int, int], torch.Tensor] = {}
+    if len(minis) > 1:
+        # Later mini-batches step a policy that has already moved: freeze the behaviour logprobs first.
+        with torch.no_grad():
+            for a, batches in enumerate(micro):
+                for b_i, b in enumerate(batches):
+                    old_logps[a, b_i] = policy_logprobs(model, b, temperature, False)[0]
+
+    totals: dict[str, float] = {}
+    entropy_sum = mismatch_sum = tokens_total = 0.0
+    grad_norms, lrs, losses = [], [], []
+    model.train()
+    for a, batches in enumerate(micro):
+        norm = LossNorm.from_masks([b.mask for b in batches], max_len=cfg.rollout.max_new_tokens)
+        optimizer.zero_grad(set_to_none=True)
+        loss_total = 0.0
+        for b_i, b in enumerate(batches):
+            logp, entropy = policy_logprobs(model, b, temperature, True)
+            old = old_logps.get((a, b_i), logp.detach())
+            ref = None
+            if use_ref:
+                with torch.no_grad(), model.disable_adapter():
+                    ref = policy_logprobs(model, b, temperature, False)[0]
+            loss, stats = loss_fn(logp, old, b.rollout_logp, b.advantages, b.mask, ref, cfg.algo, norm)
+            loss.backward()
+            loss_total += float(loss.detach())
+            add_stats(totals, stats)
+            m = b.mask
+            tokens_total += float(m.sum())
+            entropy_sum += float((entropy * m).sum())
+            # k1 estimate of KL(rollout engine || trainer) on the sampled tokens: the engine mismatch.
+            mismatch_sum += float(((b.rollout_logp - old) * m).sum())
+        grad_norms.append(clip_grad_norm(params, cfg.optim.grad_clip))
+        lrs.append(optimizer.param_groups[0]["lr"])
+        losses.append(loss_total)
+        optimizer.step()
+        scheduler.step()
+    model.eval()
+    n_mini = len(micro)
+    denom = max(tokens_total, 1.0)
+    out = {k: v / n_mini for k, v in totals.items()}  # each mini-batch's stats are already normalised
+    out.update({
+        "loss": sum(losses) / n_mini,
+        "entropy": entropy_sum / denom,
+        "kl": out.get("kl", 0.0),
+        "mismatch_kl": mismatch_sum / denom,
+        "grad_norm": sum(grad_norms) / n_mini,
+        "lr": lrs[0],
+        "tokens": int(tokens_total),
+        "optimizer_steps": n_mini,
+    })
+    return out

@@ -1,0 +1,220 @@
+"""Shared fixtures: tiny random causal LMs (dense and NVFP4A16) with a tiny tokenizer.
+
+The NVFP4 checkpoints are made the real way: the dense model is saved with
+`save_pretrained` and llm-compressor's `oneshot` (data-free NVFP4A16, `ignore=["lm_head"]`)
+writes a compressed-tensors checkpoint from that directory. Everything is session-scoped,
+so each conversion runs once per test session (about a second each on two CPU cores).
+"""
+
+from __future__ import annotations
+
+import string
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_SPECIAL_TOKENS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TINY_VOCAB = 256
+_CORPUS = [
+    "What is 3 + 4? The answer is 7. #### 7",
+    "Compute 12 * 5 step by step: 12 * 5 = 60. \\boxed{60}",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many in May.",
+    "The final answer is 1,234. #### 1234",
+    "system\nYou are a helpful assistant. user\nSolve the problem. assistant\n",
+]
+
+
+def build_tiny_tokenizer():
+    """A ChatML-style `PreTrainedTokenizerFast` of at most 256 tokens.
+
+    BPE over every printable ASCII character (so any arithmetic prompt encodes without
+    <unk>) with merges learnt from a few strings; spaces become the Metaspace symbol,
+    so decode(encode(text)) == text exactly (chat markup included). eos = `<|im_end|>`, pad = `<|endoftext|>`, no bos;
+    the chat template renders `<|im_start|>{role}\\n{content}<|im_end|>\\n` per message.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    # No prepended or split-on spaces: decode(encode(text)) == text, special tokens included.
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never", split=False)
+    tok.decoder = decoders.Metaspace(prepend_scheme="never", split=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB,
+        special_tokens=TINY_SPECIAL_TOKENS,
+        initial_alphabet=list(string.printable) + ["\u2581"],
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    assert len(fast) <= TINY_VOCAB
+    return fast
+
+
+def _tiny_config(kind: str, tokenizer):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        # Wider than the default 0.02 so that the tiny models' logits are not all ~0.
+        initializer_range=0.1,
+    )
+    if kind == "llama":
+        return LlamaConfig(tie_word_embeddings=True, **common)
+    if kind == "qwen2":
+        return Qwen2Config(tie_word_embeddings=False, **common)  # Qwen2 also has q/k/v biases
+    raise ValueError(kind)
+
+
+def build_tiny_dense(kind: str, out_dir: Path, seed: int = 0) -> Path:
+    """Random tiny `LlamaForCausalLM` (tied embeddings) or `Qwen2ForCausalLM` (untied, qkv
+    bias) saved in bfloat16 with its tokenizer and a generation config (eos = <|im_end|>)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    tokenizer = build_tiny_tokenizer()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_tiny_config(kind, tokenizer)).to(torch.bfloat16)
+    if kind == "qwen2":  # non-zero biases, so that bias handling is really tested
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0, 0.1)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None
+    )
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def convert_nvfp4(dense_dir: Path, out_dir: Path) -> Path:
+    """llm-compressor NVFP4A16 (data-free) of `dense_dir` into `out_dir`, tokenizer included."""
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    with warnings.catch_warnings():
+        # llm-compressor's CPU "offloading" makes transformers warn about a 50 GB shard size
+        warnings.filterwarnings("ignore", message="Attempting to save a model with offloaded modules")
+        oneshot(
+            model=str(dense_dir),
+            recipe=QuantizationModifier(targets="Linear", scheme="NVFP4A16", ignore=["lm_head"]),
+            output_dir=str(out_dir),
+        )
+    if not (out_dir / "tokenizer.json").is_file():
+        build_tiny_tokenizer().save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """Dense bf16 tiny LlamaForCausalLM dir (hidden 64, 2 layers, 4 heads / 2 kv heads,
+    vocab 256, tied embeddings) with config, generation_config, tokenizer (ChatML chat
+    template, eos `<|im_end|>`, pad `<|endoftext|>`)."""
+    return build_tiny_dense("llama", tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    """Dense bf16 tiny Qwen2ForCausalLM dir (as tiny_llama_dir but untied lm_head and
+    non-zero q/k/v biases)."""
+    return build_tiny_dense("qwen2", tmp_path_factory.mktemp("tiny_qwen2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_nvfp4_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    """llm-compressor NVFP4A16 checkpoint of tiny_llama_dir (compressed-tensors
+    `nvfp4-pack-quantized`, lm_head ignored), with the same tokenizer files."""
+    return convert_nvfp4(tiny_llama_dir, tmp_path_factory.mktemp("tiny_llama_nvfp4"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_nvfp4_dir(tiny_qwen2_dir, tmp_path_factory) -> Path:
+    """llm-compressor NVFP4A16 checkpoint of tiny_qwen2_dir (biases and lm_head stay bf16)."""
+    return convert_nvfp4(tiny_qwen2_dir, tmp_path_factory.mktemp("tiny_qwen2_nvfp4"))
+
+
+def write_ct_dequantized_dense(nvfp4_dir: Path, out_dir: Path, dtype: torch.dtype) -> Path:
+    """Dense checkpoint whose quantized linears hold compressed-tensors' own dequantization.
+
+    Every `<m>.weight_packed/weight_scale/weight_global_scale` triple becomes `<m>.weight`
+    of `dtype`: for bfloat16 via `NVFP4PackedCompressor.decompress` (which unpacks to
+    bfloat16), otherwise via `unpack_fp4_from_uint8(..., dtype)` + `dequantize(...,
+    dtype=dtype)`. Other tensors are copied unchanged; config.json loses its
+    quantization_config; tokenizer and generation config are copied. Used as the
+    independent "same model, built dense" reference for the NVFP4 loader and LoRA.
+    """
+    import json
+    import shutil
+
+    from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor, unpack_fp4_from_uint8
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((nvfp4_dir / "config.json").read_text())
+    quant = config.pop("quantization_config")
+    (group,) = quant["config_groups"].values()
+    scheme = QuantizationScheme(targets=group["targets"], weights=group["weights"])
+    tensors = load_file(str(nvfp4_dir / "model.safetensors"))
+    dense = {}
+    for key, tensor in tensors.items():
+        if key.endswith(".weight_packed"):
+            prefix = key.removesuffix("weight_packed")
+            parts = {n: tensors[prefix + n] for n in ("weight_packed", "weight_scale", "weight_global_scale")}
+            if dtype == torch.bfloat16:
+                weight = NVFP4PackedCompressor.decompress(parts, scheme)["weight"]
+            else:
+                m, half = parts["weight_packed"].shape
+                unpacked = unpack_fp4_from_uint8(parts["weight_packed"], m, 2 * half, dtype=dtype)
+                weight = dequantize(
+                    unpacked, parts["weight_scale"].to(dtype), args=scheme.weights,
+                    global_scale=parts["weight_global_scale"], dtype=dtype,
+                )
+            assert weight.dtype == dtype
+            dense[prefix + "weight"] = weight.contiguous()
+        elif not key.endswith((".weight_scale", ".weight_global_scale")):
+            dense[key] = tensor
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(dense, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (nvfp4_dir / name).is_file():
+            shutil.copy(nvfp4_dir / name, out_dir / name)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def ct_dequantized_dir(tmp_path_factory):
+    """Factory `(nvfp4_dir, dtype) -> dense dir` (cached per pair) built by
+    `write_ct_dequantized_dense`: the NVFP4 model as a plain checkpoint, dequantized by
+    compressed-tensors itself."""
+    cache: dict[tuple[str, torch.dtype], Path] = {}
+
+    def make(nvfp4_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
+        key = (str(nvfp4_dir), dtype)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"ct_dense_{Path(nvfp4_dir).name}_{str(dtype).removeprefix('torch.')}")
+            cache[key] = write_ct_dequantized_dense(Path(nvfp4_dir), out, dtype)
+        return cache[key]
+
+    return make
