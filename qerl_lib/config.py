@@ -43,9 +43,12 @@ class DataConfig(_Section):
     """Keep at most this many training prompts (the first ones in stable order); null keeps all."""
     max_test: int | None = 64
     """Keep at most this many test prompts; null keeps all."""
-    synthetic_levels: list[int] = [1]
-    """Difficulty levels of the synthetic arithmetic set: 1 = one-digit a+b, 2 = two-digit
-    a+b or a-b, 3 = two-digit a*b or a three-term sum, 4 = three-digit mixed."""
+    synthetic_levels: list[int] = [1, 2]
+    """Difficulty levels of the synthetic arithmetic set, each problem's level drawn
+    uniformly from this list: 1 = one-digit a+b (0-9), 2 = two-digit a+b or a-b (a >= b),
+    3 = two-digit times one-digit a*b or a sum of three two-digit numbers, 4 = three-digit
+    a+b, a-b or three-digit times one-digit. The default [1, 2] is where SmolLM2-135M
+    starts clearly above zero and far from perfect (benchmarks/results/baseline_task.json)."""
     synthetic_style: Literal["plain", "words", "mixed"] = "mixed"
     """Wording of synthetic questions: `plain` ("What is 7 + 5?"), `words` (a one-sentence
     word problem with the same numbers) or `mixed` (each problem picks one, seeded)."""
@@ -149,6 +152,9 @@ class AlgoConfig(_Section):
     """Truncated importance sampling cap on exp(logp_trainer_old - logp_rollout); null turns it off."""
     mini_batches: int = Field(1, ge=1)
     """Optimizer steps per RL step: the step's samples are split into this many mini-batches."""
+    kl_metric: bool = True
+    """Measure KL to the base (adapter disabled) every update even when it is not in the loss
+    (one extra no-grad forward per micro-batch)."""
 
 
 class OptimConfig(_Section):
@@ -221,6 +227,41 @@ class RunConfig(_Section):
     """torch CPU threads (null: torch's default)."""
 
 
+class PlanStep(_Section):
+    """One RL step of the DVC stage list (`dvc.yaml` unrolls rollout/reward/update over these)."""
+
+    step: int = Field(ge=0)
+    """RL step i: the DVC stages `rollout@i`, `reward@i` and `update@i` (the list index equals i)."""
+    prev: int | None = None
+    """The step whose update wrote this step's adapter (i - 1); null for step 0, whose adapter
+    comes from `init_adapter`. Named because DVC templating has no arithmetic."""
+    next: int = Field(ge=1)
+    """The adapter `update@i` writes (i + 1), likewise spelled out for `dvc.yaml`."""
+
+
+class PlanConfig(_Section):
+    """The unrolled stage list that `dvc.yaml` iterates over (`foreach`), written by `qerl plan`
+    from `run.steps` and `eval.every`. Empty outside a DVC workspace. It only names stages:
+    it is left out of the resolved config and its hash (`exclude`), so it never changes an output."""
+
+    steps: list[PlanStep] = []
+    """`{step: i, prev: i-1, next: i+1}` for i in 0..run.steps-1, in order."""
+    evals: list[int] = []
+    """Adapters that `eval@k` evaluates: 0, every `eval.every` steps, and run.steps
+    (`qerl_lib.run.eval_steps`)."""
+
+
+def expected_plan(cfg: "QerlConfig") -> PlanConfig:
+    """The plan `qerl plan` writes for `cfg.run.steps` and `cfg.eval.every` (evals: `run.eval_steps`)."""
+    from qerl_lib.run import eval_steps
+
+    steps = cfg.run.steps
+    return PlanConfig(
+        steps=[PlanStep(step=i, prev=i - 1 if i else None, next=i + 1) for i in range(steps)],
+        evals=eval_steps(cfg),
+    )
+
+
 class QerlConfig(_Section):
     """The whole configuration of a qerl run."""
 
@@ -244,6 +285,8 @@ class QerlConfig(_Section):
     """Adaptive Quantization Noise."""
     eval: EvalConfig = EvalConfig()
     """Evaluation."""
+    plan: PlanConfig = Field(default_factory=PlanConfig, exclude=True)
+    """DVC stage list (written by `qerl plan`; not part of the resolved config or its hash)."""
 
     @model_validator(mode="after")
     def _check(self) -> "QerlConfig":
@@ -251,6 +294,21 @@ class QerlConfig(_Section):
             raise ValueError(
                 f"lora.r={self.lora.r} exceeds rollout.vllm_max_lora_rank={self.rollout.vllm_max_lora_rank}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_plan(self) -> "QerlConfig":
+        # An empty plan is fine (no DVC workspace); a written one must match run.steps / eval.every,
+        # or dvc.yaml would unroll another run than the stages compute (AQN schedule, LR schedule).
+        plan = self.plan
+        if plan.steps or plan.evals:
+            want = expected_plan(self)
+            if plan != want:
+                raise ValueError(
+                    f"plan does not match run.steps={self.run.steps} / eval.every={self.eval.every} "
+                    f"(plan has {len(plan.steps)} steps, evals {plan.evals}; expected evals {want.evals}): "
+                    "run `qerl plan` to rewrite it"
+                )
         return self
 
 
@@ -348,3 +406,11 @@ def describe(model: type[BaseModel] = QerlConfig, prefix: str = "") -> list[tupl
             doc = " ".join((field.description or "").split())
             rows.append((f"{prefix}{name}", repr(field.default), doc))
     return rows
+
+
+def config_hash(cfg: QerlConfig) -> str:
+    """Short hash of what a config makes: where the workspace lies, the thread count and
+    the DVC plan do not change any output, so they are left out."""
+    from qerl_lib.seeds import stable_id
+
+    return stable_id(cfg.model_dump_json(exclude={"run": {"root", "threads"}}), length=16)

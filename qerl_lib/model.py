@@ -83,6 +83,14 @@ def materialize_base(base: str, gguf_file: str | None, out_dir: Path) -> Path:
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
+        # transformers 5.17's GGUF tokenizer conversion reports eos = <|im_start|> and no pad
+        # for SmolLM2, while the GGUF metadata (kept in generation_config) says eos = pad =
+        # <|im_end|>: a turn would never end on the tokenizer's eos. Trust the model's ids.
+        eos = model.generation_config.eos_token_id
+        eos = eos[0] if isinstance(eos, list) else eos
+        if eos is not None:
+            tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
+            tokenizer.pad_token = tokenizer.eos_token
     model.config.torch_dtype = torch.bfloat16
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)

@@ -10,7 +10,12 @@ no float weight to give them to).
 The dequantize+matmul pair is pluggable per device type (`register_matmul_backend`): the
 pure-PyTorch backend here dequantizes with `qerl_lib.nvfp4.dequantize_nvfp4` and calls
 `torch.nn.functional.linear`, so results are bit-identical to an `nn.Linear` holding the
-dequantized weight; fused GPU kernels can replace it on CUDA.
+dequantized weight. On CUDA the first NVFP4 matmul registers the fused Triton kernels of
+`qerl_lib.kernels.nvfp4_triton` (dequantize-and-multiply per tile, no 16-bit W in global
+memory; docs/kernels.md) when Triton imports and the GPU has bf16 tensor cores (sm_80+);
+the choice is logged once per device type. `QERL_NVFP4_BACKEND=torch` keeps the pure-PyTorch
+path on CUDA too; an explicit `register_matmul_backend` call always wins. The CPU keeps
+the pure-PyTorch path.
 
 Loaders:
 - `load_nvfp4_model(dir, dtype, device)` builds a causal LM from an llm-compressor
@@ -22,6 +27,8 @@ Loaders:
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +38,8 @@ import torch
 from torch import nn
 
 from qerl_lib.nvfp4 import BLOCK_SIZE, dequantize_nvfp4
+
+log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------
 # Pluggable matmul
@@ -73,19 +82,51 @@ def torch_matmul_grad_input(
 
 TORCH_BACKEND = MatmulBackend("torch", torch_matmul_forward, torch_matmul_grad_input)
 _BACKENDS: dict[str, MatmulBackend] = {}
+_CHOSEN: set[str] = set()  # device types whose backend is settled (automatically or explicitly)
 
 
 def register_matmul_backend(device_type: str, backend: MatmulBackend | None) -> None:
-    """Use `backend` for NVFP4Linear on tensors of `device_type` ("cuda", "cpu"); None restores torch."""
+    """Use `backend` for NVFP4Linear on tensors of `device_type` ("cuda", "cpu"); None restores torch.
+
+    An explicit registration (None included) replaces the automatic choice for that type.
+    """
+    _CHOSEN.add(device_type)
     if backend is None:
         _BACKENDS.pop(device_type, None)
     else:
         _BACKENDS[device_type] = backend
 
 
+def _choose_backend(device: torch.device) -> None:
+    """First NVFP4 matmul on a device type: pick its backend and log the choice once."""
+    _CHOSEN.add(device.type)
+    if device.type != "cuda":
+        log.info("NVFP4 matmul on %s: pure-PyTorch dequantize + matmul", device.type)
+        return
+    if os.environ.get("QERL_NVFP4_BACKEND", "").strip().lower() == "torch":
+        log.info("NVFP4 matmul on cuda: pure-PyTorch dequantize + matmul (QERL_NVFP4_BACKEND=torch)")
+        return
+    try:
+        if torch.cuda.get_device_capability(device) < (8, 0):
+            raise RuntimeError(f"compute capability {torch.cuda.get_device_capability(device)} < 8.0")
+        from qerl_lib.kernels.nvfp4_triton import make_backend
+
+        backend = make_backend()
+    except Exception as e:  # no Triton, an old GPU, a broken install: the torch path still works
+        log.warning("NVFP4 matmul on cuda: pure-PyTorch dequantize + matmul (Triton kernels unavailable: %s: %s)",
+                    type(e).__name__, e)
+        return
+    _BACKENDS["cuda"] = backend
+    log.info("NVFP4 matmul on cuda: fused Triton dequantize-and-multiply kernels (qerl_lib.kernels.nvfp4_triton)")
+
+
 def get_matmul_backend(device: torch.device | str) -> MatmulBackend:
-    """The backend registered for `device`'s type, else the pure-PyTorch one."""
-    return _BACKENDS.get(torch.device(device).type, TORCH_BACKEND)
+    """The backend registered for `device`'s type, else the pure-PyTorch one (on CUDA the
+    Triton kernels are registered automatically on first use, see the module docstring)."""
+    device = torch.device(device)
+    if device.type not in _CHOSEN:
+        _choose_backend(device)
+    return _BACKENDS.get(device.type, TORCH_BACKEND)
 
 
 class _NVFP4LinearFunction(torch.autograd.Function):

@@ -1,14 +1,30 @@
 """The policy: frozen base (packed NVFP4 or dense) + PEFT LoRA + an AQN injector.
 
-One `Policy` object serves rollout (transformers backend), update and evaluation. In
-`qerl run` it stays loaded across steps and stages, so the per-step start-up cost is
-the adapter swap only; each stage run alone (`qerl stage ...`, `dvc repro`) builds
-its own.
+One `Policy` object serves rollout, update and evaluation. In `qerl run` it stays loaded
+across steps and stages, so the per-step start-up cost is the adapter swap only; each
+stage run alone (`qerl stage ...`, `dvc repro`) builds its own.
+
+Rollout backends (`rollout.backend`):
+
+- `transformers` (default): `generate` samples from the in-process PEFT model
+  (`qerl_lib.sampling.sample_batch`).
+- `vllm`: `generate` goes to a `qerl_lib.vllm_engine.VLLMEngine` that holds the same
+  checkpoint. The engine is started on the first `generate` (an update-only process never
+  starts one) and is kept per process (`_ENGINES`), so every later step and evaluation of
+  `qerl run` pays only the adapter swap and the AQN write. Before each `generate` the
+  engine receives the adapter and the noise this policy holds (`load_adapter`,
+  `set_noise`); after it, the engine sleeps (weights to CPU, KV cache dropped) so the
+  trainer has the GPU, unless `QERL_VLLM_SLEEP=0`. The trainer's model stays the
+  transformers one. Start-up and hand-over timings go to `<run.root>/vllm_engine.json`.
+  NVFP4 engines also keep dense copies of their linears for batches above
+  `QERL_VLLM_DENSE_ABOVE` rows (see `vllm_engine`) when those copies take at most a quarter
+  of the engine's memory; `QERL_VLLM_DENSE_ABOVE=off` turns that off.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -35,7 +51,14 @@ class Policy:
         self.injector = NoiseInjector(self.model)
         self.version: int | None = None
         self.adapter_hash = ""
+        self.adapter_dir: Path | None = None
         self.noise: tuple[float, int, int] = (0.0, 0, 0)
+        self.layout = layout
+
+    @property
+    def backend(self) -> str:
+        """`rollout.backend` of the config this policy serves now (`get_policy` may swap the config)."""
+        return self.cfg.rollout.backend
 
     def load_adapter(self, adapter_dir: Path, version: int) -> None:
         """Put adapter `version` in place (LoRA weights, and norms when they train)."""
@@ -46,6 +69,7 @@ class Policy:
         load_adapter_weights(self.model, adapter_dir)
         self.version = version
         self.adapter_hash = adapter_hash(adapter_dir)
+        self.adapter_dir = Path(adapter_dir)
         self.noise = (0.0, 0, 0)
 
     def set_noise(self, sigma: float, seed: int, step: int) -> None:
@@ -69,7 +93,13 @@ class Policy:
         return ids
 
     def generate(self, prompts: list[list[int]], seeds: list[int], params, batch_size: int, progress=None):
-        """Sample one completion per (prompt, seed), `batch_size` rows at a time, in order."""
+        """Sample one completion per (prompt, seed), in order.
+
+        transformers backend: `batch_size` rows at a time. vLLM backend: all rows at once (the
+        engine schedules them), with this policy's adapter and noise pushed first.
+        """
+        if self.backend == "vllm":
+            return self._generate_vllm(prompts, seeds, params, progress)
         from qerl_lib.sampling import sample_batch
 
         self.model.eval()
@@ -85,8 +115,73 @@ class Policy:
                 progress(len(out))
         return out
 
+    # ------------------------------------------------------------------ vLLM backend
+
+    def rollout_engine(self):
+        """The process's vLLM engine for this policy's checkpoint (started on first use)."""
+        return get_engine(self.cfg, self.checkpoint)
+
+    def _generate_vllm(self, prompts, seeds, params, progress=None):
+        engine = self.rollout_engine()
+        engine.set_policy(self.adapter_dir, self.version if self.version is not None else 0)
+        engine.set_noise(*self.noise)
+        comps = engine.generate(prompts, seeds, params, stop_token_ids=self.eos_ids)
+        if os.environ.get("QERL_VLLM_SLEEP", "1") != "0":
+            engine.sleep()
+        if progress is not None:
+            progress(len(comps))
+        _write_engine_stats(self.layout, engine)
+        return comps
+
 
 _CACHE: dict[tuple, Policy] = {}
+_ENGINES: dict[tuple, object] = {}
+DEFAULT_DENSE_ABOVE = 48
+"""Rows (sequences in a decode step) above which an NVFP4 engine runs its linears on dense
+copies, when memory allows (`qerl_lib.vllm_engine.auto_dense_above`): the Marlin-vs-cuBLAS
+crossover measured on the H200 for the 7B shape (Marlin faster up to 48 rows, slower from 64;
+`benchmarks/results/rollout_throughput.json`, `gemm_profile`)."""
+
+
+def _engine_key(cfg: QerlConfig, checkpoint: Path) -> tuple:
+    rc = cfg.rollout
+    return (str(Path(checkpoint).resolve()), rc.vllm_max_lora_rank, rc.vllm_gpu_memory_utilization,
+            rc.vllm_enforce_eager, cfg.run.seed, os.environ.get("QERL_VLLM_DENSE_ABOVE", ""))
+
+
+def get_engine(cfg: QerlConfig, checkpoint: Path):
+    """The `VLLMEngine` of this process for `checkpoint` and the rollout config (one at a time)."""
+    from qerl_lib.vllm_engine import VLLMEngine, auto_dense_above, dense_above_from_env
+
+    key = _engine_key(cfg, checkpoint)
+    if key not in _ENGINES:
+        close_engines()
+        rc = cfg.rollout
+        if os.environ.get("QERL_VLLM_DENSE_ABOVE", "").strip():
+            dense_above = dense_above_from_env()
+        else:
+            total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
+            dense_above = auto_dense_above(checkpoint, rc.vllm_gpu_memory_utilization * total, DEFAULT_DENSE_ABOVE)
+        _ENGINES[key] = VLLMEngine(
+            checkpoint, max_lora_rank=rc.vllm_max_lora_rank, gpu_memory_utilization=rc.vllm_gpu_memory_utilization,
+            enforce_eager=rc.vllm_enforce_eager, seed=cfg.run.seed, dense_above=dense_above,
+        )
+    return _ENGINES[key]
+
+
+def close_engines() -> None:
+    for engine in _ENGINES.values():
+        engine.close()
+    _ENGINES.clear()
+
+
+def _write_engine_stats(layout: Layout, engine) -> None:
+    from qerl_lib.io import atomic_write_json
+
+    try:
+        atomic_write_json(layout.root / "vllm_engine.json", engine.stats_dict())
+    except OSError as e:  # statistics only: never fail a stage for them
+        log.warning("could not write vllm_engine.json: %s", e)
 
 
 def get_policy(cfg: QerlConfig, layout: Layout, reuse: bool) -> Policy:

@@ -7,6 +7,9 @@ reported as far as it got):
   grad_norm, sigma, lr, reward_mean, reward_std, tokens, seconds, ... (any scalar keys);
 - `layout.reward_metrics(i)`  reward_mean, reward_std, correct_rate, format_rate,
   truncated_frac, kept_frac, ...;
+- `provenance.json` beside `layout.rollouts(i)`: its `seconds` become `rollout_seconds`, and
+  `step_seconds` = rollout_seconds + the update's `seconds` (the step's own work, without
+  process start-up or orchestration);
 and for each k in 0..steps `layout.eval_metrics(k)`: step, pass_at_1, greedy_acc, n_prompts, k.
 
 Writes (atomically):
@@ -14,7 +17,7 @@ Writes (atomically):
 - `layout.report_steps`            CSV, one row per step that has any file (`dvc plots`);
 - `layout.reports_dir/eval.csv`    CSV, one row per evaluated adapter;
 - `layout.report_metrics`          JSON summary (`dvc metrics show`), also returned;
-- `layout.reports_dir/plots/{reward,entropy,sigma,accuracy,kl}.png`  (always all five; a curve
+- `layout.reports_dir/plots/{reward,entropy,sigma,accuracy,kl,time}.png`  (always all six; a curve
   with no data yet shows "no data", so DVC outputs exist from the first step on).
 
 Where the update and reward files share a key (reward_mean, reward_std), the reward file wins:
@@ -36,12 +39,13 @@ from qerl_lib.paths import Layout
 
 log = logging.getLogger(__name__)
 
-PLOTS = ("reward", "entropy", "sigma", "accuracy", "kl")
+PLOTS = ("reward", "entropy", "sigma", "accuracy", "kl", "time")
 
 # Preferred column order; any other scalar key found in the files follows, sorted.
 STEP_COLUMNS = (
     "step", "reward_mean", "reward_std", "correct_rate", "format_rate", "truncated_frac", "kept_frac",
     "loss", "entropy", "kl", "clip_frac", "grad_norm", "sigma", "lr", "tokens", "seconds",
+    "rollout_seconds", "step_seconds",
 )
 EVAL_COLUMNS = ("step", "pass_at_1", "greedy_acc", "n_prompts", "k")
 
@@ -60,6 +64,7 @@ _TRAIN_SUMMARY = {
     "kept_frac": ("last", "mean"),
     "tokens": ("sum",),
     "seconds": ("sum",),
+    "step_seconds": ("mean", "sum"),
 }
 
 
@@ -99,6 +104,11 @@ def collect_steps(layout: Layout, steps: int) -> list[dict]:
         row: dict[str, Any] = {}
         row.update(_scalars(upd or {}))
         row.update(_scalars(rew or {}))
+        prov = _read(layout.rollouts(i).with_name("provenance.json")) or {}
+        if isinstance(prov.get("seconds"), (int, float)):
+            row["rollout_seconds"] = prov["seconds"]
+            if isinstance((upd or {}).get("seconds"), (int, float)):
+                row["step_seconds"] = round(prov["seconds"] + upd["seconds"], 3)
         row["step"] = i
         row["has_update"] = int(upd is not None)
         row["has_reward"] = int(rew is not None)
@@ -233,6 +243,9 @@ def write_plots(plots_dir: Path, train: list[dict], evals: list[dict]) -> list[P
                ("train correct_rate", *s(train, "correct_rate"))]),
         _plot(plots_dir / "kl.png", "KL to reference / clipping", "value",
               [("kl", *s(train, "kl")), ("clip_frac", *s(train, "clip_frac"))]),
+        _plot(plots_dir / "time.png", "step time (stage work)", "seconds",
+              [("step (rollout + update)", *s(train, "step_seconds")), ("rollout", *s(train, "rollout_seconds")),
+               ("update", *s(train, "seconds"))]),
     ]
     return out
 

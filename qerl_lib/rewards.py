@@ -50,15 +50,36 @@ class PromptStyle:
 
 NUMERIC_STYLE = PromptStyle(
     instruction="{question}\nGive the final answer on the last line in the form #### <number>.",
+    examples=(
+        (
+            "Kim has 3 pears and gets 4 more. How many pears does Kim have now?",
+            "Kim has 3 + 4 = 7 pears.\n#### 7",
+        ),
+    ),
 )
 """Prompt of numeric tasks (gsm8k, synthetic arith): the question, then the `#### N`
-instruction. Chosen by benchmarks/baseline_task.py over a described one-shot example
-inside the message (SmolLM2-135M solved the example instead of the question)."""
+instruction, after one worked word problem shown as an earlier chat exchange (its
+name and object never occur in the synthetic set, so no generated question repeats it).
+
+Chosen with benchmarks/baseline_task.py on SmolLM2-135M-Instruct (synthetic levels 1-2,
+temperature 1.0; benchmarks/results/baseline_task.json): against the bare instruction,
+the worked exchange lifts sampled accuracy from 0.11 to 0.29 (one-digit sums 0.21 to
+0.53), the `####` rate from 0.06 to 0.74, and makes the model stop after the answer.
+The same example written inside the user message was worse than none: the model
+solved the example instead of the question. A second example showing subtraction made
+it subtract in "gets more" problems."""
 
 MATH_STYLE = PromptStyle(
     instruction="{question}\nReason step by step, then put the final answer in \\boxed{{}}.",
+    examples=(
+        (
+            "What is $\\frac{1}{2} + \\frac{1}{4}$?",
+            "$\\frac{1}{2} + \\frac{1}{4} = \\frac{2}{4} + \\frac{1}{4} = \\frac{3}{4}$, "
+            "so the answer is $\\boxed{\\frac{3}{4}}$.",
+        ),
+    ),
 )
-"""Prompt of MATH-style tasks."""
+"""Prompt of MATH-style tasks: the same shape as `NUMERIC_STYLE`, with a `\\boxed{}` answer."""
 
 NUMERIC_INSTRUCTION = NUMERIC_STYLE.instruction
 MATH_INSTRUCTION = MATH_STYLE.instruction
@@ -77,6 +98,12 @@ def resolve_grader(layout_or_grader: str) -> Grader:
     if key == "math":
         return "math"
     raise ValueError(f"unknown grader or layout {layout_or_grader!r}: expected gsm8k, arith or math")
+
+
+def effective_grader(config_grader: str, row_grader: str) -> Grader:
+    """The grader for one prepared row: `RewardConfig.grader` unless it is `auto`, in
+    which case the row's own `grader` column (set by `prepare` from the layout)."""
+    return resolve_grader(row_grader if config_grader == "auto" else config_grader)
 
 
 def prompt_style(grader: str) -> PromptStyle:

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from qerl_lib.config import QerlConfig, save_config
+from qerl_lib.config import QerlConfig, config_hash, save_config
 from qerl_lib.io import atomic_dir, atomic_write_json, read_json
 from qerl_lib.paths import OPTIMIZER_STATE, TRAINER_STATE, Layout
+from qerl_lib.progress import progress
 from qerl_lib.seeds import derive_seed, stable_id
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ def file_metadata(cfg: QerlConfig, layout: Layout, kind: str) -> dict[str, str]:
         "checkpoint_hash": ckpt_hash,
         **_versions(),
         "git_commit": _git_commit(),
-        "config_hash": stable_id(cfg.model_dump_json(), length=16),
+        "config_hash": config_hash(cfg),
     }
 
 
@@ -181,7 +182,8 @@ def rollout_stage(cfg: QerlConfig, layout: Layout, step: int, policy=None) -> Pa
             seeds.append(derive_seed(cfg.run.seed, step, p["prompt_id"], g))
             meta.append((p, g))
     t1 = time.perf_counter()
-    completions = pol.generate(ids, seeds, params, rc.batch_size)
+    with progress(f"rollout@{step}", len(ids)) as done:
+        completions = pol.generate(ids, seeds, params, rc.batch_size, progress=done)
     gen_seconds = time.perf_counter() - t1
     pol.set_noise(0.0, cfg.aqn.seed, step)
 
@@ -200,12 +202,15 @@ def rollout_stage(cfg: QerlConfig, layout: Layout, step: int, policy=None) -> Pa
     path = layout.rollouts(step)
     meta_file = file_metadata(cfg, layout, "rollout")
     meta_file["grader"] = picked[0]["grader"] if picked else ""
-    write_rollouts(to_table(rows, str(path)), path, meta_file)
+    table = to_table(rows, str(path))
     n_tok = sum(len(c.token_ids) for c in completions)
+    # The sidecar goes first: the Parquet file is the stage's done-marker, so a kill between
+    # the two writes re-runs the stage instead of leaving a rollout without provenance.
     write_provenance(path, provenance(time.perf_counter() - t0, seconds_setup=round(t_load, 3),
                                       seconds_generate=round(gen_seconds, 3), completion_tokens=n_tok,
                                       tokens_per_second=round(n_tok / max(gen_seconds, 1e-9), 2),
                                       backend=rc.backend))
+    write_rollouts(table, path, meta_file)
     return path
 
 
@@ -373,7 +378,8 @@ def eval_stage(cfg: QerlConfig, layout: Layout, step: int, policy=None) -> dict:
                 ids.append(pids)
                 seeds.append(derive_seed(cfg.run.seed, "eval", name, step, p["prompt_id"], s))
                 meta.append((p, s))
-        comps = pol.generate(ids, seeds, params, cfg.rollout.batch_size)
+        with progress(f"eval@{step} {name}", len(ids)) as done:
+            comps = pol.generate(ids, seeds, params, cfg.rollout.batch_size, progress=done)
         batch = []
         for (p, s), text, pids, seed, c in zip(meta, texts, ids, seeds, comps):
             batch.append({

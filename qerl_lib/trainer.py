@@ -96,7 +96,10 @@ def train_on_rollouts(policy, optimizer, scheduler, rows: list[dict], cfg: QerlC
     params = [p for p in model.parameters() if p.requires_grad]
     mbs = cfg.optim.micro_batch_size
     pad = policy.tokenizer.pad_token_id
-    use_ref = cfg.algo.loss == "grpo" and cfg.algo.beta > 0
+    use_ref = (cfg.algo.loss == "grpo" and cfg.algo.beta > 0) or cfg.algo.kl_metric
+    if cfg.optim.gradient_checkpointing and not getattr(model, "is_gradient_checkpointing", False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
     minis = [[rows[i] for i in idx] for idx in _chunks(len(rows), cfg.algo.mini_batches)]
     micro = [[b for b in (build_batch(m[i:i + mbs], pad, policy.device) for i in range(0, len(m), mbs))]
              for m in minis]

@@ -218,3 +218,140 @@ def ct_dequantized_dir(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+# ----------------------------------------------------------------------------------------------
+# Pipeline workspaces for the DVC, resume and audit tests (tests/test_dvc.py, test_resume.py,
+# test_audit.py). Every subprocess runs with telemetry off and unbuffered output.
+
+import os as _os
+import shutil as _shutil
+import subprocess as _subprocess
+import sys as _sys
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+QUIET_ENV = {
+    "DVC_NO_ANALYTICS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+    "GIT_TERMINAL_PROMPT": "0", "GIT_AUTHOR_NAME": "qerl-test", "GIT_AUTHOR_EMAIL": "qerl-test@example.invalid",
+    "GIT_COMMITTER_NAME": "qerl-test", "GIT_COMMITTER_EMAIL": "qerl-test@example.invalid",
+}
+
+
+def quiet_env(**extra: str) -> dict:
+    """os.environ with telemetry off (DVC, Prefect, HF), unbuffered Python and a git identity,
+    and the venv's bin first on PATH (so `qerl` and `dvc` resolve even without activation)."""
+    env = {**_os.environ, **QUIET_ENV, **extra}
+    env["PATH"] = str(Path(_sys.executable).parent) + _os.pathsep + env.get("PATH", "")
+    return env
+
+
+def sh(args: list[str], cwd: Path, timeout: float = 600, check: bool = True, **extra_env: str):
+    """Run a command (list form) in `cwd` with `quiet_env`; returns the CompletedProcess."""
+    res = _subprocess.run(args, cwd=cwd, env=quiet_env(**extra_env), capture_output=True, text=True, timeout=timeout)
+    if check and res.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} failed ({res.returncode}):\n{res.stdout[-4000:]}\n{res.stderr[-4000:]}")
+    return res
+
+
+# Token ids that end a completion besides <|im_end|> in `tiny_stoppy_llama_dir`.
+STOP_IDS = list(range(4, 256, 6))
+
+
+@pytest.fixture(scope="session")
+def tiny_stoppy_llama_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    """tiny_llama_dir whose generation config lists 42 stop tokens besides `<|im_end|>`, so its
+    sampled completions end at varied lengths. With the DAPO overlong penalty over the whole
+    length (`reward.overlong_buffer` = `rollout.max_new_tokens`) the samples of a group then get
+    different rewards and every update really trains (a random model is never right, so
+    correctness alone gives flat groups, which dynamic sampling drops)."""
+    import json
+
+    out = tmp_path_factory.mktemp("tiny_stoppy_llama")
+    for f in Path(tiny_llama_dir).iterdir():
+        if f.is_file():
+            _shutil.copy(f, out / f.name)
+    gen = json.loads((out / "generation_config.json").read_text())
+    eos = gen["eos_token_id"]
+    gen["eos_token_id"] = [eos] + [i for i in STOP_IDS if i != eos]
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return out
+
+
+def tiny_pipeline_tree(base: Path) -> dict:
+    """Config tree of the small two-step pipeline the DVC / resume / audit tests run (root '.')."""
+    return {
+        "run": {"root": ".", "steps": 2, "seed": 0},
+        "model": {"base": str(base)},
+        "data": {"synthetic_train": 16, "synthetic_test": 4},
+        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "batch_size": 8},
+        "reward": {"overlong_buffer": 8},
+        "eval": {"max_prompts": 2, "k": 1, "max_new_tokens": 6},
+        "aqn": {"stages": 2},
+    }
+
+
+def write_params(ws: Path, tree: dict) -> Path:
+    """`qerl plan` in `ws` from `tree` (written to ws/tiny.yaml): ws/params.yaml."""
+    import yaml
+
+    ws.mkdir(parents=True, exist_ok=True)
+    (ws / "tiny.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
+    sh(["qerl", "plan", "-c", "tiny.yaml"], cwd=ws, timeout=120)
+    return ws / "params.yaml"
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tiny_stoppy_llama_dir) -> dict:
+    """The config tree of the tests' pipeline (see `tiny_pipeline_tree`)."""
+    return tiny_pipeline_tree(tiny_stoppy_llama_dir)
+
+
+@pytest.fixture(scope="session")
+def reference_run(tiny_pipeline, tmp_path_factory) -> Path:
+    """A finished, uninterrupted `qerl run -c params.yaml` of the tests' pipeline (run.root '.')
+    in its own directory: what DVC and every resumed run must equal byte for byte."""
+    ws = tmp_path_factory.mktemp("reference_run")
+    write_params(ws, tiny_pipeline)
+    sh(["qerl", "run", "-c", "params.yaml"], cwd=ws, timeout=600)
+    return ws
+
+
+def make_dvc_repo(dest: Path, tree: dict) -> Path:
+    """A git + DVC repository laid out like the project: its dvc.yaml, .dvcignore, .gitignore and
+    .dvc/config, a copy of qerl_lib/ (the stages' library dependencies: the code that runs is the
+    installed package, the copy only keeps concurrent edits from making stages stale mid-test),
+    and params.yaml written by `qerl plan` from `tree`."""
+    dest.mkdir(parents=True, exist_ok=True)
+    sh(["git", "init", "-q", "-b", "main"], cwd=dest)
+    sh(["dvc", "init", "-q"], cwd=dest)
+    for name in ("dvc.yaml", ".dvcignore", ".gitignore"):
+        _shutil.copy(PROJECT_ROOT / name, dest / name)
+    _shutil.copy(PROJECT_ROOT / ".dvc" / "config", dest / ".dvc" / "config")
+    _shutil.copytree(PROJECT_ROOT / "qerl_lib", dest / "qerl_lib",
+                     ignore=_shutil.ignore_patterns("__pycache__", "*.pyc"))
+    write_params(dest, tree)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def dvc_repro_done(tiny_pipeline, tmp_path_factory) -> Path:
+    """A git + DVC repository (`make_dvc_repo`) of the tests' pipeline after a whole `dvc repro`.
+    Tests that change it work on a copy (`copy_repo`)."""
+    repo = make_dvc_repo(tmp_path_factory.mktemp("dvc_done") / "repo", tiny_pipeline)
+    res = sh(["dvc", "repro"], cwd=repo, timeout=900)
+    assert "Running stage 'report'" in res.stdout, res.stdout[-3000:]
+    return repo
+
+
+def copy_repo(src: Path, dest: Path) -> Path:
+    """A copy of a workspace (git, DVC cache and lock included) that a test may change."""
+    _shutil.copytree(src, dest, symlinks=True)
+    return dest
+
+
+def stages_run(dvc_output: str) -> list[str]:
+    """Names of the stages a `dvc repro` ran, in order, from its output."""
+    import re
+
+    return re.findall(r"Running stage '([^']+)'", dvc_output)

@@ -14,6 +14,7 @@ from qerl_lib.rewards import (
     PromptStyle,
     RewardBreakdown,
     build_messages,
+    effective_grader,
     extract_answer,
     format_prompt,
     has_format,
@@ -307,3 +308,5 @@ def test_resolve_grader():
     assert resolve_grader("math") == "math"
     with pytest.raises(ValueError, match="auto"):
         resolve_grader("auto")
+    assert effective_grader("auto", "math") == "math"
+    assert effective_grader("gsm8k", "math") == "gsm8k"

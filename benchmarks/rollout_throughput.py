@@ -1,0 +1,593 @@
+#!/usr/bin/env python3
+"""Rollout decode throughput of the project's vLLM engine: NVFP4 (+ LoRA) against BF16 (+ LoRA).
+
+Model: the Qwen2.5-7B shape (hidden 3584, intermediate 18944, 28 layers, 28 heads / 4 KV heads,
+vocab 152064, q/k/v biases, untied lm_head) with random weights (speed does not depend on
+their values). The NVFP4 checkpoint is written synthetically in compressed-tensors layout,
+packed directly on the GPU (random FP4 codes, FP8 block scales, one global scale per fused
+group), never through a 16-bit copy; embeddings and lm_head are bf16, as llm-compressor leaves
+them. The BF16 engine uses vLLM's own random initialisation (`load_format="dummy"`), so no
+16 GB file is written at all.
+
+Rollout settings are the project's (`qerl_lib.vllm_engine.VLLMEngine.generate`): per-request
+seeds, temperature 1, top-p 1, the sampled token's logprob returned, token-id prompts, no
+tokenizer; plus fixed lengths: prompt 256 random tokens, completion exactly `--decode` tokens
+(no EOS exists without a tokenizer, and lengths are checked), prefix caching off, fresh
+prompts per trial. Per cell: one short warm-up, `--trials` prefill-only runs (max 1 token)
+and `--trials` full runs; decode tokens/s = batch * (decode - 1) / (full - median prefill);
+end-to-end tokens/s = batch * decode / full. Median and min..max over trials.
+
+Engines (`--engines`, run one at a time, each in its own process, CUDA graphs on, capture
+sizes = the batch sizes):
+  bf16-rR     BF16 weights, LoRA slots of rank R; measures LoRA rank R (and no LoRA if R = 16)
+  nvfp4-rR    NVFP4 as vLLM ships it (Marlin W4A16 for every batch)
+  nvfp4h-rR   NVFP4 + dense fallback: Marlin up to `--dense-above` rows, dequantized BF16
+              copies above (the project's default regime when memory allows)
+"No LoRA" is measured on the rank-16 engines with requests that carry no adapter (vLLM
+captures separate CUDA graphs for batches without LoRA).
+
+Also measured: the device-to-device copy bandwidth (bytes read + written), and a profile of
+the decode GEMMs: all 28 layers' q|k|v, o, gate|up and down products (and the lm_head) at
+each batch size, Marlin NVFP4 vs cuBLAS BF16, each replayed from a CUDA graph. The crossover
+sets `--dense-above` when it is not given. The weight-read bound of a format is
+batch * bandwidth / (bytes of weights read per decode step).
+
+    python benchmarks/rollout_throughput.py --out benchmarks/results/rollout_throughput.json
+    python benchmarks/rollout_throughput.py --merge A.json B.json --out C.json   (combine runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPE = dict(hidden=3584, inter=18944, layers=28, heads=28, kv_heads=4, head_dim=128, vocab=152064)
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+DEVICE = "cuda"
+GLOBAL_SCALE = 150.0  # compressed-tensors divisor: element = fp4 * block_scale / 150 (std ~0.02)
+STOCK_REFERENCE = {
+    "source": "the issue: stock vLLM 0.26 on this H200, prompt 256 / decode 512 / CUDA graphs / LoRA r16",
+    "bf16_lora_r16_tok_s": {"1": 157, "8": 1279, "64": 9191},
+    "nvfp4_lora_r16_tok_s": {"1": 205, "8": 1676, "64": 8776},
+    "nvfp4_over_bf16_no_lora": {"1": 1.43, "8": 1.39, "64": 0.94, "256": 0.68},
+}
+
+
+# ----------------------------------------------------------------------------- byte counts
+
+
+def linear_params() -> int:
+    h, i, L = SHAPE["hidden"], SHAPE["inter"], SHAPE["layers"]
+    q = SHAPE["heads"] * SHAPE["head_dim"]
+    kv = SHAPE["kv_heads"] * SHAPE["head_dim"]
+    return L * (h * (q + 2 * kv) + q * h + 2 * h * i + i * h)
+
+
+def lora_bytes(rank: int) -> int:
+    """bf16 LoRA A and B of the 7 targets in every layer at `rank` (vLLM's slots are padded to max_lora_rank)."""
+    if rank == 0:
+        return 0
+    h, i, L = SHAPE["hidden"], SHAPE["inter"], SHAPE["layers"]
+    q = SHAPE["heads"] * SHAPE["head_dim"]
+    kv = SHAPE["kv_heads"] * SHAPE["head_dim"]
+    dims = [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
+    return L * sum(rank * (a + b) * 2 for a, b in dims)
+
+
+def weight_bytes_per_step(fmt: str, batch: int, slot_rank: int, dense_above: int | None) -> int:
+    """Bytes of weights one decode step reads: linears in their format, the bf16 lm_head, LoRA slots."""
+    lm_head = 2 * SHAPE["vocab"] * SHAPE["hidden"]
+    dense = fmt == "bf16" or (fmt == "nvfp4h" and dense_above is not None and batch > dense_above)
+    per = 2.0 if dense else 0.5 + 1 / 16  # packed FP4 + one FP8 scale per 16
+    return int(linear_params() * per) + lm_head + lora_bytes(slot_rank)
+
+
+def kv_bytes_per_step(batch: int, prompt: int, decode: int) -> int:
+    """K and V read per decode step, at the mean context length prompt + decode / 2 (bf16)."""
+    per_token = 2 * SHAPE["layers"] * SHAPE["kv_heads"] * SHAPE["head_dim"] * 2
+    return int(batch * (prompt + decode / 2) * per_token)
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": round(statistics.median(values), 2), "min": round(min(values), 2),
+            "max": round(max(values), 2), "n": len(values)}
+
+
+# ----------------------------------------------------------------------------- synthetic model
+
+
+def qwen7b_config(quantized: bool) -> dict:
+    from transformers import Qwen2Config
+
+    c = Qwen2Config(hidden_size=SHAPE["hidden"], intermediate_size=SHAPE["inter"], num_hidden_layers=SHAPE["layers"],
+                    num_attention_heads=SHAPE["heads"], num_key_value_heads=SHAPE["kv_heads"], vocab_size=SHAPE["vocab"],
+                    max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1e6,
+                    dtype="bfloat16")
+    c.architectures = ["Qwen2ForCausalLM"]
+    d = c.to_dict()
+    if quantized:
+        from qerl_lib.vllm_engine import nvfp4a16_quantization_config
+
+        d["quantization_config"] = nvfp4a16_quantization_config()
+    return d
+
+
+def synth_packed(n: int, k: int, gen):
+    import torch
+
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=DEVICE, generator=gen)
+    scale = (torch.rand((n, k // 16), device=DEVICE, generator=gen) + 0.5).to(torch.float8_e4m3fn)
+    return packed, scale
+
+
+def write_synthetic(work: Path) -> dict:
+    """NVFP4 checkpoint (packed directly) and a BF16 config-only dir; returns the GPU tensors of the linears."""
+    import torch
+    from safetensors.torch import save_file
+
+    nv, bf = work / "nvfp4", work / "bf16"
+    t0 = time.perf_counter()
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    h, i, L, V = SHAPE["hidden"], SHAPE["inter"], SHAPE["layers"], SHAPE["vocab"]
+    q, kv = SHAPE["heads"] * SHAPE["head_dim"], SHAPE["kv_heads"] * SHAPE["head_dim"]
+    gs = torch.tensor([GLOBAL_SCALE], dtype=torch.float32)
+    layers = []
+    tensors = {}
+    for l in range(L):
+        pre = f"model.layers.{l}"
+        mods = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+                "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+        gpu = {}
+        for m, (n, k) in mods.items():
+            packed, scale = synth_packed(n, k, gen)
+            gpu[m] = (packed, scale)
+            tensors[f"{pre}.{m}.weight_packed"] = packed.cpu()
+            tensors[f"{pre}.{m}.weight_scale"] = scale.cpu()
+            tensors[f"{pre}.{m}.weight_global_scale"] = gs.clone()
+        for m, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            tensors[f"{pre}.self_attn.{m}.bias"] = (torch.randn(n, generator=None) * 0.01).to(torch.bfloat16)
+        tensors[f"{pre}.input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        tensors[f"{pre}.post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        layers.append(gpu)
+    tensors["model.norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    tensors["model.embed_tokens.weight"] = (torch.randn(V, h, device=DEVICE, generator=gen) * 0.02).to(torch.bfloat16).cpu()
+    tensors["lm_head.weight"] = (torch.randn(V, h, device=DEVICE, generator=gen) * 0.02).to(torch.bfloat16).cpu()
+    nv.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(nv / "model.safetensors"), metadata={"format": "pt"})
+    (nv / "config.json").write_text(json.dumps(qwen7b_config(True), indent=1))
+    bf.mkdir(parents=True, exist_ok=True)
+    (bf / "config.json").write_text(json.dumps(qwen7b_config(False), indent=1))
+    size = (nv / "model.safetensors").stat().st_size
+    del tensors
+    return {"layers": layers, "seconds": round(time.perf_counter() - t0, 1), "nvfp4_file_bytes": size}
+
+
+def write_adapter(out: Path, rank: int, seed: int) -> Path:
+    """A PEFT LoRA adapter for the 7B shape (random A and B, bf16), as `lora.save_adapter` lays it out."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    h, i, L = SHAPE["hidden"], SHAPE["inter"], SHAPE["layers"]
+    q, kv = SHAPE["heads"] * SHAPE["head_dim"], SHAPE["kv_heads"] * SHAPE["head_dim"]
+    dims = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
+            "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, i), "mlp.up_proj": (h, i), "mlp.down_proj": (i, h)}
+    t = {}
+    for l in range(L):
+        for m, (fan_in, fan_out) in dims.items():
+            key = f"base_model.model.model.layers.{l}.{m}"
+            t[f"{key}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=g) / fan_in**0.5).to(torch.bfloat16)
+            t[f"{key}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=g) * 0.01).to(torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(t, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "bias": "none", "target_modules": sorted(TARGETS), "fan_in_fan_out": False, "use_rslora": False,
+        "use_dora": False, "modules_to_save": None, "base_model_name_or_path": None, "init_lora_weights": True,
+        "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
+    }, indent=1))
+    return out
+
+
+# ----------------------------------------------------------------------------- bandwidth and GEMM profile
+
+
+def copy_bandwidth() -> dict:
+    import torch
+
+    n = 4 << 30
+    a = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    times = []
+    for _ in range(5):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(5):
+            b.copy_(a)
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / 5 / 1e3)
+    t = statistics.median(times)
+    del a, b
+    torch.cuda.empty_cache()
+    return {"bytes_per_s": round(2 * n / t), "tb_per_s": round(2 * n / t / 1e12, 3), "buffer_bytes": n,
+            "note": "device-to-device copy of 4 GiB, bytes read + written, median of 5 x 5 copies"}
+
+
+def gemm_profile(layers: list[dict], ms: list[int]) -> dict:
+    """Time of the decode GEMMs of all layers, per shape group and batch rows, Marlin NVFP4 vs cuBLAS BF16."""
+    import torch
+    import torch.nn.functional as F
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import (
+        apply_fp4_marlin_linear,
+        prepare_fp4_layer_for_marlin,
+    )
+
+    from qerl_lib.vllm_engine import dequantize_partitions
+
+    groups = {"qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "o": ["self_attn.o_proj"],
+              "gate_up": ["mlp.gate_proj", "mlp.up_proj"], "down": ["mlp.down_proj"]}
+    marlin, dense = {g: [] for g in groups}, {g: [] for g in groups}
+    for gpu in layers:
+        for g, mods in groups.items():
+            packed = torch.cat([gpu[m][0] for m in mods])
+            scale = torch.cat([gpu[m][1] for m in mods])
+            widths = [gpu[m][0].shape[0] for m in mods]
+            w = dequantize_partitions(packed, scale, torch.full((len(mods),), GLOBAL_SCALE, device="cuda"), widths)
+            layer = torch.nn.Module()
+            layer.weight = torch.nn.Parameter(packed, requires_grad=False)
+            layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+            layer.weight_global_scale = torch.nn.Parameter(torch.tensor([1.0 / GLOBAL_SCALE], device="cuda"),
+                                                           requires_grad=False)
+            layer.output_size_per_partition, layer.input_size_per_partition = w.shape
+            layer.params_dtype = torch.bfloat16
+            prepare_fp4_layer_for_marlin(layer)
+            marlin[g].append(layer)
+            dense[g].append(w)
+
+    def run_marlin(layer, x):
+        return apply_fp4_marlin_linear(input=x, weight=layer.weight, weight_scale=layer.weight_scale,
+                                       weight_global_scale=layer.weight_global_scale, workspace=layer.workspace,
+                                       size_n=layer.output_size_per_partition, size_k=layer.input_size_per_partition)
+
+    # correctness of the two paths on the same weights
+    x = torch.randn(64, SHAPE["hidden"], device="cuda", dtype=torch.bfloat16)
+    a, b = run_marlin(marlin["qkv"][0], x).float(), F.linear(x, dense["qkv"][0]).float()
+    rel = float((a - b).norm() / b.norm())
+
+    lm_head = torch.randn(SHAPE["vocab"], SHAPE["hidden"], device="cuda", dtype=torch.bfloat16) * 0.02
+
+    def timed(fn, reps=10) -> float:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        del graph
+        return start.elapsed_time(end) / reps
+
+    table = []
+    for m in ms:
+        xh = torch.randn(m, SHAPE["hidden"], device="cuda", dtype=torch.bfloat16)
+        xi = torch.randn(m, SHAPE["inter"], device="cuda", dtype=torch.bfloat16)
+        row = {"rows": m, "marlin_ms": {}, "cublas_ms": {}}
+        for g in groups:
+            xin = xi if g == "down" else xh
+            row["marlin_ms"][g] = round(timed(lambda: [run_marlin(l, xin) for l in marlin[g]]), 4)
+            row["cublas_ms"][g] = round(timed(lambda: [F.linear(xin, w) for w in dense[g]]), 4)
+        row["lm_head_ms"] = round(timed(lambda: F.linear(xh, lm_head)), 4)
+        row["marlin_total_ms"] = round(sum(row["marlin_ms"].values()), 4)
+        row["cublas_total_ms"] = round(sum(row["cublas_ms"].values()), 4)
+        table.append(row)
+        print(f"  gemm rows {m:4d}: marlin {row['marlin_total_ms']:7.3f} ms  cublas {row['cublas_total_ms']:7.3f} ms"
+              f"  lm_head {row['lm_head_ms']:.3f} ms", flush=True)
+        torch.cuda.empty_cache()
+    crossover = None
+    for row in table:
+        if row["marlin_total_ms"] <= row["cublas_total_ms"]:
+            crossover = row["rows"]
+        else:
+            break
+    del marlin, dense, lm_head
+    torch.cuda.empty_cache()
+    return {"table": table, "marlin_vs_dense_rel_diff_rows64": rel,
+            "largest_rows_marlin_wins": crossover,
+            "note": "per decode step: all 28 layers of each group, CUDA-graph replay, median-free mean of 10"}
+
+
+# ----------------------------------------------------------------------------- one engine (child process)
+
+
+def parse_spec(spec: str) -> tuple[str, int]:
+    fmt, rank = spec.split("-r")
+    assert fmt in ("bf16", "nvfp4", "nvfp4h"), spec
+    return fmt, int(rank)
+
+
+def run_engine(args) -> None:
+    import torch
+
+    from qerl_lib.sampling import SamplingParams
+    from qerl_lib.vllm_engine import VLLMEngine
+
+    fmt, rank = parse_spec(args.child)
+    work = Path(args.work)
+    out_path = work / f"engine-{args.child}.json"
+    loras = [int(x) for x in args.loras.split(",")] if args.loras else ([rank, 0] if rank == 16 else [rank])
+    batches = [int(b) for b in args.batches.split(",")]
+    deadline = float(args.deadline)
+    result = {"spec": args.child, "format": fmt, "max_lora_rank": rank, "cells": [], "skipped": []}
+
+    def save():
+        out_path.write_text(json.dumps(result, indent=1))
+
+    kwargs = {"max_num_seqs": max(batches), "enable_prefix_caching": False,
+              "compilation_config": {"cudagraph_capture_sizes": sorted(batches)}}
+    if fmt == "bf16":
+        kwargs["load_format"] = "dummy"
+    ckpt = work / ("bf16" if fmt == "bf16" else "nvfp4")
+    dense_above = args.dense_above if fmt == "nvfp4h" else None
+    eng = VLLMEngine(ckpt, max_lora_rank=rank, gpu_memory_utilization=args.mem, enforce_eager=False, seed=0,
+                     max_model_len=args.prompt + args.decode + 16, dense_above=dense_above, engine_kwargs=kwargs)
+    result["startup_seconds"] = eng.stats.startup_seconds
+    result["linear_info"] = eng.rpc("qerl_linear_info")
+    result["dense_above"] = dense_above
+    result["gpu_memory_utilization"] = args.mem
+    print(f"[{args.child}] engine up in {eng.stats.startup_seconds:.1f} s: {result['linear_info']}", flush=True)
+    save()
+    guess = {1: 150, 8: 1150, 64: 7500, 256: 13000}  # tok/s, conservative, for the deadline only
+    gen = torch.Generator().manual_seed(1234)
+
+    def prompts(b):
+        return torch.randint(0, SHAPE["vocab"], (b, args.prompt), generator=gen).tolist()
+
+    params = SamplingParams(1.0, 1.0, args.decode)
+    for lora in loras:
+        adapter = work / f"adapter-r{lora}" if lora else None
+        eng.set_policy(adapter, lora)
+        for b in batches:
+            trials = args.trials_large if b >= args.large_batch else args.trials
+            need = 1.1 * (trials + 0.5) * (b * args.decode / guess.get(b, 10000) + 0.5)
+            if time.time() + need > deadline:
+                result["skipped"].append({"lora_rank": lora, "batch": b, "reason": f"deadline ({need:.0f} s needed)"})
+                print(f"[{args.child}] skip lora {lora} batch {b}: deadline", flush=True)
+                continue
+            seeds = list(range(b))
+            eng.generate(prompts(b), seeds, SamplingParams(1.0, 1.0, 8))  # warm-up
+            trials = args.trials_large if b >= args.large_batch else args.trials
+            pre, full = [], []
+            for _ in range(trials):
+                t0 = time.perf_counter()
+                eng.generate(prompts(b), seeds, SamplingParams(1.0, 1.0, 1))
+                pre.append(time.perf_counter() - t0)
+            for _ in range(trials):
+                t0 = time.perf_counter()
+                comps = eng.generate(prompts(b), seeds, params)
+                full.append(time.perf_counter() - t0)
+                lengths = {len(c.token_ids) for c in comps}
+                if lengths != {args.decode}:
+                    raise RuntimeError(f"completion lengths {lengths} != {args.decode}")
+            p = statistics.median(pre)
+            cell = {
+                "lora_rank": lora, "batch": b, "prompt": args.prompt, "decode": args.decode,
+                "prefill_s": [round(x, 4) for x in pre], "full_s": [round(x, 4) for x in full],
+                "decode_tok_s": spread([b * (args.decode - 1) / (f - p) for f in full]),
+                "e2e_tok_s": spread([b * args.decode / f for f in full]),
+            }
+            result["cells"].append(cell)
+            save()
+            print(f"[{args.child}] lora {lora:2d} batch {b:3d}: decode {cell['decode_tok_s']['median']:9.1f} tok/s "
+                  f"({cell['decode_tok_s']['min']:.1f}..{cell['decode_tok_s']['max']:.1f}), "
+                  f"e2e {cell['e2e_tok_s']['median']:9.1f}", flush=True)
+    result["engine_stats"] = eng.stats_dict()
+    save()
+    eng.close()
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def summarize(res: dict) -> dict:
+    bw = res.get("copy_bandwidth", {}).get("bytes_per_s")
+    engines = res.get("engines", {})
+    by = {}
+    for spec, e in engines.items():
+        for c in e.get("cells", []):
+            by[(e["format"], e["max_lora_rank"], c["lora_rank"], c["batch"])] = (c, e)
+    rows = []
+    for (fmt, slot, lora, b), (c, e) in sorted(by.items(), key=lambda kv: (kv[0][2], kv[0][3], kv[0][0])):
+        med = c["decode_tok_s"]["median"]
+        row = {"format": fmt, "lora_rank": lora, "lora_slots": slot, "batch": b, "decode_tok_s": med,
+               "decode_min": c["decode_tok_s"]["min"], "decode_max": c["decode_tok_s"]["max"],
+               "e2e_tok_s": c["e2e_tok_s"]["median"]}
+        ref = by.get(("bf16", slot, lora, b))
+        if ref is not None:
+            row["over_bf16"] = round(med / ref[0]["decode_tok_s"]["median"], 3)
+        if bw:
+            wb = weight_bytes_per_step(fmt, b, slot if lora else 0, e.get("dense_above"))
+            kvb = kv_bytes_per_step(b, c["prompt"], c["decode"])
+            row["weight_bytes_per_step"] = wb
+            row["weight_read_bound_tok_s"] = round(b * bw / wb, 1)
+            row["share_of_weight_bound"] = round(med / (b * bw / wb), 3)
+            row["weight_kv_read_bound_tok_s"] = round(b * bw / (wb + kvb), 1)
+            row["share_of_weight_kv_bound"] = round(med / (b * bw / (wb + kvb)), 3)
+        rows.append(row)
+    return {"rows": rows}
+
+
+def print_table(summary: dict) -> None:
+    print(f"{'fmt':7s} {'lora':>4s} {'batch':>5s} {'decode tok/s':>13s} {'min..max':>19s} {'/bf16':>6s} "
+          f"{'bound':>9s} {'share':>6s}")
+    for r in summary["rows"]:
+        print(f"{r['format']:7s} {r['lora_rank']:4d} {r['batch']:5d} {r['decode_tok_s']:13.1f} "
+              f"{r['decode_min']:9.1f}..{r['decode_max']:<9.1f} {r.get('over_bf16', float('nan')):6.3f} "
+              f"{r.get('weight_read_bound_tok_s', float('nan')):9.1f} {r.get('share_of_weight_bound', float('nan')):6.3f}")
+
+
+def atomic_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
+
+
+def driver(args) -> None:
+    import torch
+
+    t_start = time.time()
+    deadline = t_start + args.deadline_s
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    res: dict = {
+        "command": "python " + " ".join([sys.argv[0]] + sys.argv[1:]),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "device": torch.cuda.get_device_name(0),
+        "versions": {},
+        "model": {"shape": "Qwen2.5-7B", **SHAPE, "linear_params": linear_params(), "weights": "random"},
+        "settings": {"prompt": args.prompt, "decode": args.decode, "batches": args.batches, "trials": args.trials,
+                     "trials_at_large_batch": args.trials_large, "large_batch": args.large_batch,
+                     "gpu_memory_utilization": args.mem, "sampling": "temperature 1, top-p 1, per-request seeds, "
+                     "sampled-token logprob", "prefix_caching": False, "cuda_graphs": True},
+        "stock_reference": STOCK_REFERENCE,
+        "engines": {}, "errors": {},
+    }
+    for name in ("vllm", "torch", "transformers"):
+        try:
+            from importlib.metadata import version
+
+            res["versions"][name] = version(name)
+        except Exception:
+            res["versions"][name] = ""
+    marker = work / "nvfp4" / "model.safetensors"
+    if not args.no_profile:
+        res["copy_bandwidth"] = copy_bandwidth()
+        print(f"copy bandwidth {res['copy_bandwidth']['tb_per_s']} TB/s", flush=True)
+    if marker.is_file() and args.no_profile:
+        print("synthetic checkpoint present, profile skipped", flush=True)
+    else:
+        synth = write_synthetic(work)
+        res["synthetic_checkpoint"] = {"seconds": synth["seconds"], "nvfp4_file_bytes": synth["nvfp4_file_bytes"]}
+        print(f"synthetic NVFP4 checkpoint: {synth['nvfp4_file_bytes'] / 1e9:.2f} GB in {synth['seconds']} s", flush=True)
+        if not args.no_profile:
+            try:
+                res["gemm_profile"] = gemm_profile(synth["layers"], [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256])
+            except Exception as e:  # the engines still run
+                res["errors"]["gemm_profile"] = repr(e)
+                print(f"gemm profile failed: {e!r}", flush=True)
+        del synth
+        torch.cuda.empty_cache()
+    for r in (16, 64):
+        if not (work / f"adapter-r{r}" / "adapter_config.json").is_file():
+            write_adapter(work / f"adapter-r{r}", r, seed=r)
+    dense_above = args.dense_above
+    if dense_above is None:
+        dense_above = (res.get("gemm_profile") or {}).get("largest_rows_marlin_wins") or 32
+    res["dense_above"] = dense_above
+    atomic_json(out, res)
+    specs = args.engines.split(",")
+    for n, spec in enumerate(specs):
+        left = deadline - time.time()
+        # each engine gets a fair share of what is left, so a cut falls on every engine's last cells
+        share = left if args.no_share else left / (len(specs) - n)
+        if left < args.min_engine_s:
+            res["engines"][spec] = {"skipped": f"deadline: {left:.0f} s left"}
+            print(f"skip engine {spec}: {left:.0f} s left", flush=True)
+            continue
+        cmd = [sys.executable, __file__, "--child", spec, "--work", str(work),
+               "--deadline", str(min(deadline, time.time() + share) - 5),
+               "--dense-above", str(dense_above), "--prompt", str(args.prompt), "--decode", str(args.decode),
+               "--batches", args.batches, "--trials", str(args.trials), "--trials-large", str(args.trials_large),
+               "--large-batch", str(args.large_batch), "--mem", str(args.mem)]
+        if args.loras:
+            cmd += ["--loras", args.loras]
+        print(f"== engine {spec} ({left:.0f} s left)", flush=True)
+        try:
+            rc = subprocess.run(cmd, timeout=max(left, 1)).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        path = work / f"engine-{spec}.json"
+        res["engines"][spec] = json.loads(path.read_text()) if path.is_file() else {}
+        if rc != 0:
+            res["errors"][spec] = f"exit {rc}"
+        res["summary"] = summarize(res)
+        res["seconds"] = round(time.time() - t_start, 1)
+        atomic_json(out, res)
+    res["summary"] = summarize(res)
+    atomic_json(out, res)
+    print_table(res["summary"])
+
+
+def merge(paths: list[str], out: str) -> None:
+    """Combine the engines of several runs (same settings) into one result; commands are kept in order."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    res = dict(runs[0])
+    res["command"] = [r["command"] for r in runs]
+    res["runs"] = [{k: r.get(k) for k in ("command", "started", "seconds", "dense_above", "errors")} for r in runs]
+    res["engines"] = {}
+    for r in runs:
+        for spec, e in r["engines"].items():
+            if e.get("cells") or spec not in res["engines"]:
+                res["engines"][spec] = e
+        for key in ("copy_bandwidth", "gemm_profile", "synthetic_checkpoint"):
+            if key in r and key not in res:
+                res[key] = r[key]
+    res["summary"] = summarize(res)
+    atomic_json(Path(out), res)
+    print_table(res["summary"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/rollout_throughput.json"))
+    p.add_argument("--work", default="/dev/shm/qerl-bench" if Path("/dev/shm").is_dir() else "/tmp/qerl-bench")
+    p.add_argument("--engines", default="bf16-r16,nvfp4h-r16,bf16-r64,nvfp4h-r64,nvfp4-r16,nvfp4-r64")
+    p.add_argument("--batches", default="1,8,64,256")
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--decode", type=int, default=512)
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--trials-large", type=int, default=3, help="trials at batches >= --large-batch")
+    p.add_argument("--large-batch", type=int, default=256)
+    p.add_argument("--mem", type=float, default=0.5, help="gpu_memory_utilization of each engine")
+    p.add_argument("--dense-above", type=int, default=None, help="rows above which nvfp4h runs dense (default: profile)")
+    p.add_argument("--deadline-s", type=float, default=540.0, help="stop starting work after this many seconds")
+    p.add_argument("--min-engine-s", type=float, default=100.0, help="start an engine only with this much time left")
+    p.add_argument("--no-share", action="store_true", help="let each engine use all the time left (default: a fair share)")
+    p.add_argument("--no-profile", action="store_true", help="skip bandwidth and GEMM profile (reuse a checkpoint)")
+    p.add_argument("--merge", nargs="+", default=None, help="combine these result files into --out")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--deadline", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--loras", default=None, help="LoRA ranks each engine measures, 0 = none (default: R and 0 on rank-16 engines, R else)")
+    args = p.parse_args()
+    if args.merge:
+        merge(args.merge, args.out)
+    elif args.child:
+        run_engine(args)
+    else:
+        driver(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""`qerl-train`: the whole RL run as a Prefect flow over the DVC stages of a workspace.
+
+    prepare -> convert -> init_adapter -> [eval@i] rollout@i -> reward@i -> update@i (i < run.steps)
+            -> eval@run.steps -> report
+
+Each stage is one Prefect task that runs `dvc repro --single-item STAGE` (the entry
+`dvc repro` itself uses), so DVC decides what is up to date and both doors give the same
+bytes. Resume = run the flow again: DVC skips every finished stage and the run continues
+at the first unfinished one (stage outputs are written atomically; a killed stage is just
+run again). A second flow on the same workspace is refused at once.
+
+Parameters are the config's: `config` (a qerl config YAML, default: the workspace's
+params.yaml), `overrides` (`section.key=value`, as `qerl --set`) and `settings` (a nested
+dict, e.g. {"run": {"steps": 8}}); the flow writes them to params.yaml with `qerl plan`.
+
+Run it
+- here, with no Prefect server (a temporary one starts in-process):
+      python flows/train.py --config my.yaml -s run.steps=8
+- served, with a cron schedule and manual runs (needs `prefect server start` and
+  PREFECT_API_URL; the ephemeral server runs no scheduler):
+      python flows/train.py --serve --cron "0 2 * * *"
+      prefect deployment run 'qerl-train/qerl-train-served' --param overrides='["run.steps=8"]'
+- deployed to a work pool (prefect.yaml at the repository root):
+      prefect deploy --all && prefect worker start --pool qerl-gpu
+"""
+
+from __future__ import annotations
+
+import flows._env  # noqa: F401  (telemetry off, ephemeral start-up timeout: before Prefect is imported)
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from flows import common
+from tasks.stage import RETRIES
+
+
+def _run_name() -> str:
+    from prefect.runtime import flow_run
+
+    p = flow_run.parameters or {}
+    ws = Path(p.get("workspace") or ".").expanduser().resolve().name or "workspace"
+    extra = " ".join(p.get("overrides") or [])
+    return f"train-{ws}" + (f" [{extra}]" if extra else "")
+
+
+@flow(
+    name="qerl-train",
+    flow_run_name=_run_name,
+    description="QeRL RL run (GRPO/DAPO, NVFP4 base, LoRA, AQN) over the DVC stages of a workspace.",
+    persist_result=False,
+    validate_parameters=True,
+)
+def train(
+    workspace: str = ".",
+    config: str | None = None,
+    overrides: list[str] | None = None,
+    settings: dict[str, Any] | None = None,
+    retries: int = RETRIES,
+) -> dict:
+    """Run (or resume) the RL run of `workspace`.
+
+    Args:
+        workspace: the git + DVC repository holding dvc.yaml (the qerl repository root, or a copy).
+        config: qerl config YAML (relative to the workspace or absolute); default: its params.yaml.
+        overrides: `section.key=value` settings applied over `config`, e.g. ["run.steps=8"].
+        settings: nested dict of settings applied last, e.g. {"rollout": {"group_size": 8}}.
+        retries: retries of a stage that failed for a reason that may pass (never for bad input).
+    """
+    from prefect.runtime import flow_run
+
+    t_flow = common.now()
+    log = get_run_logger()
+    ws = common.resolve_workspace(workspace)
+    with common.flow_lock(ws, f"Prefect flow run {flow_run.name!r} ({flow_run.id})"):
+        common.write_params(ws, config, overrides, settings, log)
+        cfg = common.load_params(ws)
+        stages = common.stage_list(cfg, ws)
+        common.check_stages(ws, stages)
+        setup_s = common.now() - t_flow
+        log.info("workspace %s: %d steps, %d stages (%s ... %s); DVC skips what is up to date",
+                 ws, cfg.run.steps, len(stages), stages[0], stages[-1])
+        published = {"steps": -1}
+
+        def on_done(stage: str, rec: dict) -> None:
+            # The per-step table grows as steps finish (a new version of the same artifact key).
+            if stage.startswith("update@") or stage == "report":
+                rows = common.step_rows(ws, cfg.run.steps)
+                if rows and len(rows) != published["steps"] or stage == "report":
+                    create_table_artifact(rows, key="qerl-train-steps",
+                                          description=f"per-step metrics of {ws} ({len(rows)}/{cfg.run.steps} steps)")
+                    published["steps"] = len(rows)
+
+        records = common.run_stages(ws, stages, log, retries, "qerl-train-progress", f"train {ws.name}", on_done)
+        evals = common.eval_rows(ws, cfg.run.steps)
+        if evals:
+            create_table_artifact(evals, key="qerl-train-eval", description=f"evaluation of {ws} (adapter k)")
+        report_md = (common.curves_markdown(ws, cfg, f"qerl run report: {ws.name}") + "\n"
+                     + common.timing_markdown(records))
+        create_markdown_artifact(report_md, key="qerl-train-report", description=f"reward / entropy curves of {ws}")
+        overhead = common.overhead_summary(records)
+        overhead["flow_setup_s"] = round(setup_s, 3)  # qerl plan + dvc stage list, once per flow run
+        overhead["flow_s"] = round(common.now() - t_flow, 3)
+        log.info("orchestration: %s", json.dumps(overhead))
+        summary_path = ws / "reports" / "metrics.json"
+        return {
+            "workspace": str(ws),
+            "flow_run_id": str(flow_run.id),
+            "stages": records,
+            "overhead": overhead,
+            "metrics": json.loads(summary_path.read_text()) if summary_path.is_file() else {},
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python flows/train.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workspace", "-w", default=".", help="git + DVC workspace (default: .)")
+    p.add_argument("--config", "-c", default=None, help="qerl config YAML (default: the workspace's params.yaml)")
+    p.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one setting, e.g. -s run.steps=8 (repeatable)")
+    p.add_argument("--retries", type=int, default=RETRIES)
+    p.add_argument("--serve", action="store_true",
+                   help="serve the flow as a deployment (needs a Prefect server: PREFECT_API_URL)")
+    p.add_argument("--name", default="qerl-train-served", help="deployment name with --serve")
+    p.add_argument("--cron", default=None, help='cron schedule with --serve, e.g. "0 2 * * *" (default: none)')
+    args = p.parse_args(argv)
+    params = {"workspace": str(Path(args.workspace).resolve()), "config": args.config,
+              "overrides": args.overrides, "retries": args.retries}
+    if args.serve:
+        train.serve(name=args.name, cron=args.cron, parameters=params, tags=["qerl"], limit=1)
+        return 0
+    try:
+        result = train(**params)
+    except Exception as e:  # the flow run's log holds the details
+        print(f"qerl-train failed: {e}", file=sys.stderr)
+        return 1
+    o = result["overhead"]
+    print(f"qerl-train: {o['stages_ran']} stages ran, {o['stages_skipped']} up to date; "
+          f"orchestration per executed stage: Prefect {o['prefect_s_per_stage']:.2f}s, DVC {o['dvc_s_per_stage']:.2f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

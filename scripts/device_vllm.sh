@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# The project's GPU workflow for the vLLM backend (docs/gpu.md says when to use which step).
+#
+# Here (the development machine, from the repository root):
+#   scripts/device_vllm.sh build        build the carried vLLM 0.26 set under .device/vllm (pieces a, b; ~4 min)
+#                                       with ../shared/tools/device-vllm/build (DEVICE_VLLM_TOOL overrides the path)
+#   scripts/device_vllm.sh prepare-rl   make .device/rl: a small random Llama, its NVFP4 conversion (llm-compressor),
+#                                       the prepared data and adapter 0 of a 2-step run with rollout.backend=vllm
+#   scripts/device_vllm.sh carry        print the `carry` list and command of each device run, in order
+#
+# On the GPU machine (one device run per piece folder, back to back: the machine is given back after
+# 30 s idle and /tmp, where the pieces and the install live, goes with it):
+#   scripts/device_vllm.sh install      stash the carried piece; exit 3 until the set is complete, then install
+#                                       vLLM into /tmp/vllm-site (exit 0)
+#   scripts/device_vllm.sh gpu-tests    python -m pytest -m gpu tests/test_vllm_engine.py
+#   scripts/device_vllm.sh rl           the 2-step RL run of .device/rl with the vLLM backend (qerl run)
+#   scripts/device_vllm.sh bench [ARGS] benchmarks/rollout_throughput.py ARGS
+#   scripts/device_vllm.sh all-b        install (piece b), then gpu-tests and rl, logs under $OUT
+#
+# Every device step exports PYTHONPATH=/tmp/vllm-site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 (flashinfer
+# is not carried) and writes its log under $OUT when OUT is set.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+cmd=${1:-help}
+shift || true
+OUT=${OUT:-/tmp/qerl-out}
+mkdir -p "$OUT"
+
+gpu_env() {
+  export PYTHONPATH=/tmp/vllm-site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
+  export TOKENIZERS_PARALLELISM=false
+}
+
+install() {
+  # Folders carried by earlier calls stay on a warm machine, so run every piece's install.sh that is
+  # here (each stashes its own piece; the one that completes the set installs), not just the first.
+  if [ -f /tmp/vllm-site/.complete ]; then echo "vllm already installed in /tmp/vllm-site"; return 0; fi
+  local script rc=2
+  for script in .device/vllm/*/install.sh; do
+    [ -f "$script" ] || continue
+    bash "$script"; rc=$?
+    [ "$rc" = 0 ] && return 0
+  done
+  [ "$rc" = 2 ] && echo "no carried piece (.device/vllm/*/install.sh) and no /tmp/vllm-site: carry .device/vllm/a, then b" >&2
+  return "$rc"
+}
+
+gpu_tests() {
+  gpu_env
+  timeout "${GPU_TESTS_TIMEOUT:-900}" python3 -m pytest -m gpu tests/test_vllm_engine.py -v -s -p no:cacheprovider \
+    "$@" 2>&1 | tee "$OUT/gpu_tests.log"
+  return "${PIPESTATUS[0]}"
+}
+
+rl() {
+  gpu_env
+  # The trainer's NVFP4 matmul: the pure-PyTorch reference path (QERL_NVFP4_BACKEND=torch), so that
+  # this run tests the vLLM backend and not the Triton kernels (their own tests cover those).
+  export QERL_NVFP4_BACKEND=${QERL_NVFP4_BACKEND:-torch}
+  local t0=$SECONDS
+  # The workspace's own resolved config: a default changed in config.py since prepare-rl cannot make
+  # `qerl run` refuse the workspace (it did once: data.synthetic_levels).
+  local cfg=.device/rl/ws/config.yaml
+  [ -f "$cfg" ] || cfg=.device/rl/config.yaml
+  timeout "${RL_TIMEOUT:-900}" python3 -m qerl_lib run -c "$cfg" "$@" 2>&1 | tee "$OUT/rl.log"
+  local rc=${PIPESTATUS[0]}
+  echo "rl run: rc=$rc, $((SECONDS - t0)) s wall" | tee -a "$OUT/rl.log"
+  for f in reports/metrics.json reports/steps.csv vllm_engine.json stage_times.jsonl; do
+    [ -f ".device/rl/ws/$f" ] && cp ".device/rl/ws/$f" "$OUT/rl_$(basename "$f")"
+  done
+  return "$rc"
+}
+
+case "$cmd" in
+  build)
+    tool=${DEVICE_VLLM_TOOL:-../shared/tools/device-vllm/build}
+    "$tool" .device/vllm
+    ;;
+  prepare-rl)
+    py=${PYTHON:-.venv/bin/python}
+    rm -rf .device/rl && mkdir -p .device/rl
+    "$py" - <<'EOF'
+import sys
+sys.path.insert(0, "tests")
+from pathlib import Path
+from test_vllm_engine import build_small_dense
+build_small_dense(Path(".device/rl/base"))
+EOF
+    cat > .device/rl/config.yaml <<'EOF'
+# A 2-step QeRL run on a small random Llama (hidden 256, 2 layers, vocab 256) with the vLLM backend:
+# NVFP4 base (llm-compressor), LoRA r16, AQN noisy from step 1, DAPO without dynamic sampling (so the
+# update trains on every group even when a random model earns no reward).
+run: {root: .device/rl/ws, steps: 2, seed: 0}
+data: {synthetic_train: 64, synthetic_test: 8}
+model: {base: .device/rl/base, quant: nvfp4}
+lora: {r: 16, alpha: 32}
+rollout: {backend: vllm, prompts_per_step: 8, group_size: 4, max_new_tokens: 32,
+          vllm_gpu_memory_utilization: 0.3, vllm_enforce_eager: false, vllm_max_lora_rank: 16}
+algo: {dynamic_sampling: false}
+aqn: {stages: 2}
+eval: {max_prompts: 8, k: 2, max_new_tokens: 32}
+EOF
+    for s in prepare convert init_adapter; do
+      "$py" -m qerl_lib stage "$s" -c .device/rl/config.yaml || exit 1
+    done
+    du -sh .device/rl
+    ;;
+  carry)
+    cat <<'EOF'
+run 1: carry [".device/vllm/a"]                command: bash scripts/device_vllm.sh install      (exits 3)
+run 2: carry [".device/vllm/b", ".device/rl"]  command: bash scripts/device_vllm.sh all-b        (install, RL run,
+       GPU tests; each starts an engine: 93 s measured for the small test model with CUDA graphs)
+run 3: carry []                                command: bash scripts/device_vllm.sh bench --out $OUT/rollout_throughput.json
+       (the full matrix needs about 6 engines x (2-2.5 min start + 1-2 min cells): split it with --engines and
+        --no-profile across calls, then: python benchmarks/rollout_throughput.py --merge A.json B.json --out ...)
+EOF
+    ;;
+  install) install ;;
+  gpu-tests) gpu_tests "$@" ;;
+  rl) rl "$@" ;;
+  bench)
+    gpu_env
+    [ -f /tmp/vllm-site/.complete ] || { echo "vLLM is not installed in /tmp/vllm-site (run the install pieces first)" >&2; exit 2; }
+    python3 benchmarks/rollout_throughput.py "$@" 2>&1 | tee "$OUT/bench.log"
+    exit "${PIPESTATUS[0]}"
+    ;;
+  all-b)
+    install || exit $?
+    rl; r=$?
+    gpu_tests; t=$?
+    echo "rl rc=$r gpu-tests rc=$t"
+    exit $((t != 0 || r != 0))
+    ;;
+  *)
+    sed -n '2,24p' "$0"
+    ;;
+esac

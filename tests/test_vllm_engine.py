@@ -1,0 +1,635 @@
+"""The vLLM rollout backend (`qerl_lib.vllm_engine`, `Policy` with `rollout.backend=vllm`).
+
+CPU tests (default) cover the pure parts without vLLM installed: sampling translation,
+completion conversion, adapter bookkeeping, the norm-noise writer against the trainer's
+`NoiseInjector`, the partition dequantization of the dense fallback, the llm-compressor-free
+NVFP4 writer against llm-compressor, and the Policy/stage wiring with a fake engine.
+
+GPU tests (`-m gpu`, need CUDA and vLLM; `scripts/device_vllm.sh gpu-tests` runs them on the
+H200) start ONE engine on a small random Llama in NVFP4 (CUDA graphs on, dense fallback above
+4 rows, so both linear paths run) and check: greedy tokens equal the transformers backend on
+the dequantized model (up to near-ties), the logprob convention, per-request seeds, adapter
+versioning, that AQN reaches vLLM's RMSNorm with the trainer's exact bits, and sleep/wake.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from qerl_lib.sampling import Completion, SamplingParams
+from qerl_lib.vllm_engine import (
+    AdapterSlots,
+    NormNoise,
+    VLLMEngine,
+    auto_dense_above,
+    dequantize_partitions,
+    linear_param_count,
+    logit_scale,
+    to_completion,
+    vllm_sampling_kwargs,
+    write_nvfp4_checkpoint,
+)
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def build_small_dense(out_dir: Path, seed: int = 0) -> Path:
+    """A random Llama big enough for vLLM's kernels (hidden 256, intermediate 512, 2 layers,
+    4 heads of 64, 2 KV heads, tied embeddings), the tests' tiny tokenizer (vocab 256), bf16."""
+    from conftest import build_tiny_tokenizer
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+
+    tok = build_tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, bos_token_id=None, initializer_range=0.08, tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    with torch.no_grad():  # non-trivial norms, so that AQN and trained norms are really tested
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight"):
+                p.uniform_(0.8, 1.2)
+    model.generation_config = GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                                               bos_token_id=None)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+def make_adapter(checkpoint: Path, out_dir: Path, seed: int, r: int = 8, scale: float = 0.05) -> Path:
+    """A PEFT adapter for `checkpoint` with random non-zero B (so it changes the outputs)."""
+    from qerl_lib.config import LoraConfig
+    from qerl_lib.lora import apply_lora, save_adapter
+    from qerl_lib.model import load_base
+
+    base = load_base(checkpoint, "nvfp4", torch.float32, torch.device("cpu"))
+    model = apply_lora(base, LoraConfig(r=r, alpha=2 * r, init_seed=seed))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return save_adapter(model, out_dir)
+
+
+# =============================================================================== CPU: pure parts
+
+
+def test_sampling_kwargs_fold_temperature_into_the_logit_scale():
+    sampled = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=12)
+    kw = vllm_sampling_kwargs(sampled, 123, {5, 2})
+    assert kw == {"n": 1, "seed": 123, "temperature": 1.0, "top_p": 0.9, "max_tokens": 12, "logprobs": 0,
+                  "stop_token_ids": [2, 5], "detokenize": False}
+    assert logit_scale(sampled) == pytest.approx(1 / 0.7)
+    greedy = SamplingParams(temperature=0.0, top_p=0.5, max_new_tokens=3)
+    kw = vllm_sampling_kwargs(greedy, 1, [])
+    assert (kw["temperature"], kw["top_p"]) == (0.0, 1.0)
+    assert logit_scale(greedy) == 1.0
+
+
+def _fake_output(tokens, lps, reason):
+    logprobs = [{t: SimpleNamespace(logprob=lp), t + 1: SimpleNamespace(logprob=-99.0)} for t, lp in zip(tokens, lps)]
+    return SimpleNamespace(outputs=[SimpleNamespace(token_ids=tokens, logprobs=logprobs, finish_reason=reason)])
+
+
+def test_to_completion_takes_the_sampled_tokens_logprob():
+    c = to_completion(_fake_output([4, 7, 2], [-0.5, -1.25, -0.1], "stop"))
+    assert c == Completion([4, 7, 2], [-0.5, -1.25, -0.1], "stop")
+    assert to_completion(_fake_output([1], [-2.0], "length")).finish_reason == "length"
+    with pytest.raises(RuntimeError, match="abort"):
+        to_completion(_fake_output([1], [-2.0], "abort"))
+    bad = _fake_output([1, 2], [-1.0, -1.0], "length")
+    bad.outputs[0].logprobs = bad.outputs[0].logprobs[:1]
+    with pytest.raises(RuntimeError, match="1 logprobs for 2 tokens"):
+        to_completion(bad)
+
+
+class FakeLoraEngine:
+    def __init__(self):
+        self.loaded: dict[int, object] = {}
+        self.calls: list[tuple] = []
+
+    def add_lora(self, req):
+        self.calls.append(("add", req.lora_int_id))
+        self.loaded[req.lora_int_id] = req
+        return True
+
+    def remove_lora(self, lora_id):
+        self.calls.append(("remove", lora_id))
+        return self.loaded.pop(lora_id, None) is not None
+
+    def list_loras(self):
+        return set(self.loaded)
+
+
+def _req(name, lora_id, path):
+    return SimpleNamespace(lora_name=name, lora_int_id=lora_id, lora_path=path)
+
+
+def test_adapter_slots_give_each_version_a_fresh_id_and_remove_the_old_one_first():
+    eng = FakeLoraEngine()
+    slots = AdapterSlots(eng.add_lora, eng.remove_lora, eng.list_loras, _req)
+    r0 = slots.set("/a0", 0, "aa" * 32)
+    assert (r0.lora_int_id, r0.lora_name) == (1, "qerl-v0-" + "a" * 12)
+    assert slots.set("/a0", 0, "aa" * 32) is r0  # same version and bytes: nothing to do
+    r1 = slots.set("/a1", 1, "bb" * 32)
+    assert r1.lora_int_id == 2 and eng.list_loras() == {2}
+    assert eng.calls == [("add", 1), ("remove", 1), ("add", 2)]  # removed before the new one is added
+    r1b = slots.set("/a1", 1, "cc" * 32)  # same version, other bytes: a new id, never a cached one
+    assert r1b.lora_int_id == 3 and eng.list_loras() == {3}
+    slots.clear()
+    assert eng.list_loras() == set() and slots.request is None
+
+
+def test_norm_noise_writes_the_trainers_exact_bits(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    from qerl_lib.aqn import NoiseInjector, fingerprint
+
+    a = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16)
+    b = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16)
+    clean = fingerprint(a)
+    writer, injector = NormNoise(a), NoiseInjector(b)
+    writer.apply(0.03, 11, 2)
+    injector.apply(0.03, 11, 2)
+    assert fingerprint(a) == fingerprint(b) != clean
+    writer.apply(0.03, 11, 2)  # again: from the clean copy, no random walk
+    assert fingerprint(a) == fingerprint(b)
+    writer.apply(0.03, 11, 3)
+    assert fingerprint(a) != fingerprint(b)
+    writer.apply(0.0, 0, 0)
+    assert fingerprint(a) == clean
+    info = writer.describe()
+    assert info["targets"] == 4 and info["fingerprint"] == clean
+
+
+def test_norm_noise_overrides_apply_trained_norms_and_restore_the_checkpoint(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16)
+    writer = NormNoise(model)
+    before_final = model.model.norm.weight.detach().clone()
+    trained = {"model.layers.1.post_attention_layernorm.weight": torch.full((64,), 1.5),
+               "model.norm.weight": torch.full((64,), 0.5)}
+    assert writer.set_overrides(trained) == 2
+    assert torch.equal(model.model.layers[1].post_attention_layernorm.weight, torch.full((64,), 1.5, dtype=torch.bfloat16))
+    assert torch.equal(model.model.norm.weight, torch.full((64,), 0.5, dtype=torch.bfloat16))
+    writer.apply(0.1, 1, 1)
+    writer.apply(0.0, 0, 0)  # noise off returns to the trained clean weights
+    assert torch.equal(model.model.layers[1].post_attention_layernorm.weight, torch.full((64,), 1.5, dtype=torch.bfloat16))
+    writer.set_overrides(None)
+    assert torch.equal(model.model.norm.weight, before_final)
+    assert not torch.equal(model.model.layers[1].post_attention_layernorm.weight,
+                           torch.full((64,), 1.5, dtype=torch.bfloat16))
+    with pytest.raises(KeyError):
+        writer.set_overrides({"model.nowhere.weight": torch.ones(64)})
+
+
+def test_dequantize_partitions_uses_each_partitions_global_scale():
+    from qerl_lib.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+
+    torch.manual_seed(0)
+    ws = [torch.randn(32, 64), torch.randn(16, 64) * 3, torch.randn(16, 64) * 0.1]
+    parts = [quantize_nvfp4(w) for w in ws]  # three different global scales
+    packed = torch.cat([p for p, _, _ in parts])
+    scale = torch.cat([s for _, s, _ in parts])
+    gs = torch.cat([g for _, _, g in parts])
+    dense = dequantize_partitions(packed, scale, gs, [32, 16, 16], torch.bfloat16)
+    want = torch.cat([dequantize_nvfp4(p, s, g, torch.bfloat16) for p, s, g in parts])
+    assert torch.equal(dense, want)
+    with pytest.raises(ValueError):
+        dequantize_partitions(packed, scale, gs, [32, 32], torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_direct_nvfp4_writer_matches_llm_compressor(kind, tiny_llama_dir, tiny_qwen2_dir, tiny_llama_nvfp4_dir,
+                                                    tiny_qwen2_nvfp4_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    dense, ref = {"llama": (tiny_llama_dir, tiny_llama_nvfp4_dir), "qwen2": (tiny_qwen2_dir, tiny_qwen2_nvfp4_dir)}[kind]
+    out = write_nvfp4_checkpoint(dense, tmp_path / "ct")
+    got, want = load_file(str(out / "model.safetensors")), load_file(str(ref / "model.safetensors"))
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype, k
+        assert torch.equal(got[k].view(torch.uint8) if got[k].dtype == torch.float8_e4m3fn else got[k],
+                           want[k].view(torch.uint8) if want[k].dtype == torch.float8_e4m3fn else want[k]), k
+    qc_got = json.loads((out / "config.json").read_text())["quantization_config"]
+    qc_want = json.loads((ref / "config.json").read_text())["quantization_config"]
+    qc_got.pop("version"), qc_want.pop("version")
+    assert qc_got == qc_want
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_regime_choice_counts_the_dense_copy_of_a_7b_model(tmp_path):
+    qwen7b = {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4,
+              "num_hidden_layers": 28}
+    assert linear_param_count(qwen7b) == 6_525_288_448
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({**qwen7b, "quantization_config": {"format": "nvfp4"}}))
+    assert auto_dense_above(ckpt, 0.5 * 141e9, 32) == 32  # 13 GB of dense copies in a 70 GB budget
+    assert auto_dense_above(ckpt, 0.3 * 80e9, 32) is None  # not in 24 GB
+    (ckpt / "config.json").write_text(json.dumps(qwen7b))
+    assert auto_dense_above(ckpt, 1e12, 32) is None  # a BF16 checkpoint needs no dense copy
+
+
+# =============================================================================== CPU: engine and Policy wiring
+
+
+class FakeLLM:
+    """Enough of `vllm.LLM` for `VLLMEngine`: records rpc calls, lists adapters, fakes generation."""
+
+    def __init__(self):
+        self.llm_engine = FakeLoraEngine()
+        self.rpcs: list[tuple] = []
+        self.resets = 0
+        self.sleeping = False
+        self.generated: list[tuple] = []
+
+    def collective_rpc(self, method, args=()):
+        self.rpcs.append((method, args))
+        return [{"method": method}]
+
+    def reset_prefix_cache(self):
+        self.resets += 1
+
+    def sleep(self, level=1):
+        self.sleeping = True
+
+    def wake_up(self):
+        self.sleeping = False
+
+    def generate(self, prompts, sps, lora_request=None, use_tqdm=False):
+        assert not self.sleeping
+        self.generated.append((prompts, sps, lora_request))
+        outs = []
+        for p, sp in zip(prompts, sps):
+            toks = [(sp["seed"] + i) % 7 for i in range(min(3, sp["max_tokens"]))]
+            outs.append(_fake_output(toks, [-0.5] * len(toks), "length"))
+        return outs
+
+
+@pytest.fixture
+def fake_engine(monkeypatch, tmp_path):
+    import qerl_lib.vllm_engine as ve
+
+    monkeypatch.setattr(ve, "_make_lora_request", _req)
+    llm = FakeLLM()
+    monkeypatch.setitem(__import__("sys").modules, "vllm", SimpleNamespace(SamplingParams=lambda **kw: kw))
+    return VLLMEngine(tmp_path / "ckpt", llm=llm), llm
+
+
+def _adapter_dir(tmp_path, name, payload):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "adapter_model.safetensors").write_bytes(payload)
+    return d
+
+
+def test_engine_pushes_adapter_noise_and_scale_before_generating(fake_engine, tmp_path):
+    engine, llm = fake_engine
+    a0 = _adapter_dir(tmp_path, "a0", b"zero")
+    engine.set_policy(a0, 0)
+    assert llm.llm_engine.list_loras() == {1}
+    engine.set_noise(0.02, 5, 0)
+    assert llm.rpcs[-1] == ("qerl_set_noise", (0.02, 5, 0))
+    n = len(llm.rpcs)
+    assert engine.set_noise(0.02, 5, 0) is None and len(llm.rpcs) == n  # unchanged: no rpc
+    comps = engine.generate([[1, 2], [3]], [10, 11], SamplingParams(0.5, 0.9, 4), stop_token_ids=[2])
+    assert ("qerl_set_logit_scale", (2.0,)) in llm.rpcs
+    prompts, sps, req = llm.generated[-1]
+    assert prompts == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}]
+    assert [s["seed"] for s in sps] == [10, 11] and sps[0]["temperature"] == 1.0 and req.lora_int_id == 1
+    assert [c.token_ids for c in comps] == [[3, 4, 5], [4, 5, 6]]
+    a1 = _adapter_dir(tmp_path, "a1", b"one")
+    resets = llm.resets
+    engine.set_policy(a1, 1)
+    assert llm.llm_engine.list_loras() == {2} and llm.resets > resets
+    assert llm.rpcs[-1] == ("qerl_set_noise", (0.0, 0, 0))  # a new adapter starts without noise
+    engine.sleep()
+    assert llm.sleeping
+    engine.generate([[1]], [1], SamplingParams(0.0, 1.0, 2))  # wakes up by itself
+    assert not llm.sleeping and llm.rpcs[-1] == ("qerl_set_logit_scale", (1.0,))
+    stats = engine.stats_dict()
+    assert stats["adapter_id"] == 2 and stats["generate_calls"] == 2 and stats["sleeps"] == 1
+
+
+def test_engine_passes_trained_norms_to_the_workers(fake_engine, tmp_path):
+    engine, llm = fake_engine
+    a = _adapter_dir(tmp_path, "a", b"x")
+    (a / "norms.safetensors").write_bytes(b"n")
+    engine.set_policy(a, 0)
+    assert ("qerl_set_norm_overrides", (str((a / "norms.safetensors").resolve()),)) in llm.rpcs
+    b = _adapter_dir(tmp_path, "b", b"y")
+    engine.set_policy(b, 1)
+    assert llm.rpcs[-2] == ("qerl_set_norm_overrides", (None,))  # back to the checkpoint's norms
+
+
+def test_policy_with_vllm_backend_rolls_out_through_the_engine(tiny_llama_dir, tmp_path, monkeypatch):
+    """The stages run unchanged with `rollout.backend=vllm`: adapter, noise and sleep reach the engine."""
+    import pyarrow.parquet as pq
+
+    import qerl_lib.policy as policy_mod
+    from qerl_lib import stages
+    from qerl_lib.config import load_config
+    from qerl_lib.paths import Layout
+
+    cfg = load_config(None, {
+        "run": {"root": str(tmp_path / "ws"), "steps": 4},
+        "model": {"base": str(tiny_llama_dir)},
+        "data": {"synthetic_train": 8, "synthetic_test": 2},
+        "rollout": {"backend": "vllm", "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
+        "aqn": {"stages": 2},
+    })
+    layout = Layout(cfg.run.root)
+    stages.prepare_stage(cfg, layout)
+    stages.convert_stage(cfg, layout)
+    stages.init_adapter_stage(cfg, layout)
+
+    class RecordingEngine:
+        def __init__(self):
+            self.calls = []
+
+        def set_policy(self, adapter_dir, version):
+            self.calls.append(("policy", Path(adapter_dir).name, version))
+
+        def set_noise(self, sigma, seed, step):
+            self.calls.append(("noise", sigma, seed, step))
+
+        def generate(self, prompts, seeds, params, stop_token_ids=()):
+            self.calls.append(("generate", len(prompts), params.temperature, tuple(sorted(stop_token_ids))))
+            return [Completion([5, 6], [-1.0, -2.0], "length") for _ in prompts]
+
+        def sleep(self):
+            self.calls.append(("sleep",))
+
+        def stats_dict(self):
+            return {"startup_seconds": 1.0}
+
+    engine = RecordingEngine()
+    monkeypatch.setattr(policy_mod, "get_engine", lambda cfg, ckpt: engine)
+    pol = policy_mod.get_policy(cfg, layout, reuse=True)
+    step = 3  # stage 1 of 2: noisy
+    (layout.adapter(3)).parent.mkdir(parents=True, exist_ok=True)
+    import shutil
+
+    shutil.copytree(layout.adapter(0), layout.adapter(3))
+    path = stages.rollout_stage(cfg, layout, step, pol)
+    from qerl_lib.aqn import sigma_at
+
+    sigma = sigma_at(step, cfg.run.steps, cfg.aqn)
+    assert sigma > 0
+    assert engine.calls[0] == ("policy", "step=3", 3)
+    assert engine.calls[1] == ("noise", sigma, cfg.aqn.seed, step)
+    assert engine.calls[2][:3] == ("generate", 4, 1.0) and engine.calls[3] == ("sleep",)
+    rows = pq.read_table(path).to_pylist()
+    assert [r["completion_token_ids"] for r in rows] == [[5, 6]] * 4
+    assert rows[0]["sampling_logprobs"] == [-1.0, -2.0] and rows[0]["aqn_sigma"] == pytest.approx(sigma)
+    assert json.loads((layout.root / "vllm_engine.json").read_text()) == {"startup_seconds": 1.0}
+    policy_mod.clear_policy_cache()
+
+
+# =============================================================================== GPU
+
+
+gpu = pytest.mark.gpu
+needs_engine = pytest.mark.skipif(not (HAVE_VLLM and torch.cuda.is_available()), reason="needs vLLM and a CUDA GPU")
+DENSE_ABOVE = 4
+"""Rows above which the test engine runs dense: batch 1 decodes on Marlin, batch 16 on the dense copies."""
+
+
+@pytest.fixture(scope="module")
+def small_nvfp4(tmp_path_factory):
+    root = tmp_path_factory.mktemp("small")
+    dense = build_small_dense(root / "dense")
+    if importlib.util.find_spec("llmcompressor") is not None:
+        from conftest import convert_nvfp4
+
+        ckpt = convert_nvfp4(dense, root / "nvfp4")
+    else:  # the GPU machine: the same tensors, without llm-compressor (tested on the CPU above)
+        ckpt = write_nvfp4_checkpoint(dense, root / "nvfp4")
+    adapters = [make_adapter(ckpt, root / f"adapter{i}", seed=i + 1) for i in range(2)]
+    return ckpt, adapters
+
+
+@pytest.fixture(scope="module")
+def engine(small_nvfp4):
+    ckpt, _ = small_nvfp4
+    eng = VLLMEngine(ckpt, max_lora_rank=8, gpu_memory_utilization=0.25, enforce_eager=False, seed=0,
+                     max_model_len=512, dense_above=DENSE_ABOVE,
+                     engine_kwargs={"max_num_seqs": 32, "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}})
+    print(f"\n[vllm] engine start-up {eng.stats.startup_seconds:.1f} s; linears: {eng.rpc('qerl_linear_info')}")
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def hf_model(small_nvfp4):
+    """The transformers backend's model on the GPU: packed NVFP4 dequantized in float32 + LoRA."""
+    from qerl_lib.config import LoraConfig
+    from qerl_lib.lora import apply_lora
+    from qerl_lib.model import load_base
+    from qerl_lib.nvfp4_linear import register_matmul_backend
+
+    register_matmul_backend("cuda", None)  # the exact reference: dequantize_nvfp4 + F.linear in float32
+    ckpt, _ = small_nvfp4
+    base = load_base(ckpt, "nvfp4", torch.float32, torch.device("cuda"))
+    return apply_lora(base, LoraConfig(r=8, alpha=16)).eval()
+
+
+def _use_adapter(model, adapter_dir):
+    from qerl_lib.lora import load_adapter_weights
+
+    load_adapter_weights(model, adapter_dir)
+
+
+PROMPTS = [[2] + [(7 * i + 3 * j) % 200 + 40 for j in range(5 + i % 7)] for i in range(16)]
+
+
+@torch.no_grad()
+def _teacher_forced_logprobs(model, prompt, tokens, temperature=1.0):
+    """log_softmax(logits / T) [len(tokens), V] of the transformers model at each completion position."""
+    ids = torch.tensor([prompt + tokens[:-1]], device="cuda")
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1:].float()
+    return torch.log_softmax(logits / temperature, dim=-1)
+
+
+@gpu
+@needs_engine
+def test_engine_runs_marlin_and_the_dense_fallback_agrees(engine):
+    info = engine.rpc("qerl_linear_info")
+    assert set(info["kernels"]) == {"MarlinNvFp4LinearKernel"}
+    assert info["hybrid_layers"] == 8 and info["threshold"] == DENSE_ABOVE
+    check = engine.rpc("qerl_check_hybrid", 16)
+    print(f"[vllm] Marlin vs dense copy, max relative difference {check['max_rel_diff']:.2e}")
+    assert check["max_rel_diff"] < 2e-2
+
+
+@gpu
+@needs_engine
+@pytest.mark.parametrize("batch", [1, 16])
+def test_greedy_tokens_equal_the_transformers_backend(engine, hf_model, small_nvfp4, batch):
+    """batch 1 decodes on Marlin, batch 16 on the dense copies; both must be the NVFP4 model's
+    greedy tokens: every token is the float32 transformers argmax, except at near-ties
+    (top-2 logprob gap under 0.15, where bf16 rounding may pick either)."""
+    from qerl_lib.sampling import sample_batch
+
+    _, adapters = small_nvfp4
+    engine.set_policy(adapters[0], 0)
+    _use_adapter(hf_model, adapters[0])
+    params = SamplingParams(0.0, 1.0, 24)
+    prompts = PROMPTS[:batch] if batch > 1 else PROMPTS[:4]
+    comps = []
+    for i in range(0, len(prompts), batch):
+        comps += engine.generate(prompts[i:i + batch], list(range(i, i + batch)), params, stop_token_ids=[3])
+    ref = sample_batch(hf_model, prompts, [0] * len(prompts), params, {3}, 1)
+    equal = ties = 0
+    for p, c, r in zip(prompts, comps, ref):
+        lp = _teacher_forced_logprobs(hf_model, p, c.token_ids)
+        top2 = lp.topk(2, dim=-1).values
+        for t, tok in enumerate(c.token_ids):
+            gap = float(lp[t].max() - lp[t, tok])
+            assert gap < 0.15, f"token {t} of {c.token_ids} is not the argmax (gap {gap:.3f})"
+        if c.token_ids == r.token_ids:
+            equal += 1
+        else:
+            first = next(t for t, (a, b) in enumerate(zip(c.token_ids, r.token_ids)) if a != b)
+            assert float(top2[first, 0] - top2[first, 1]) < 0.15, "diverged without a near-tie"
+            ties += 1
+        # greedy logprobs are the untempered log softmax
+        want = lp.gather(1, torch.tensor(c.token_ids, device="cuda")[:, None])[:, 0].cpu()
+        assert torch.allclose(torch.tensor(c.logprobs), want, atol=0.1)
+    print(f"[vllm] batch {batch}: {equal}/{len(prompts)} greedy sequences identical, {ties} split at near-ties")
+    assert equal >= len(prompts) // 2
+
+
+@gpu
+@needs_engine
+def test_sampling_logprobs_are_log_softmax_over_t_before_top_p(engine, hf_model, small_nvfp4):
+    _, adapters = small_nvfp4
+    engine.set_policy(adapters[0], 0)
+    _use_adapter(hf_model, adapters[0])
+    temp, top_p = 0.7, 0.8
+    comps = engine.generate(PROMPTS, list(range(100, 116)), SamplingParams(temp, top_p, 16))
+    diffs, kept_logmass = [], []
+    for p, c in zip(PROMPTS, comps):
+        lp = _teacher_forced_logprobs(hf_model, p, c.token_ids, temp)
+        toks = torch.tensor(c.token_ids, device="cuda")
+        diffs.append(torch.tensor(c.logprobs) - lp.gather(1, toks[:, None])[:, 0].cpu())
+        sorted_p = lp.exp().sort(dim=-1, descending=True).values
+        mass = torch.where((sorted_p.cumsum(-1) - sorted_p) < top_p, sorted_p, 0).sum(-1)
+        kept_logmass.append(mass.log().cpu())
+    d, bias = torch.cat(diffs), -torch.cat(kept_logmass).mean()
+    print(f"[vllm] logprob - log_softmax(logits/T): mean {d.mean():+.4f}, mean |.| {d.abs().mean():.4f}; "
+          f"a renormalised (processed) logprob would be {bias:+.4f} higher on average")
+    assert d.abs().mean() < 0.05 and abs(float(d.mean())) < 0.02
+    assert bias > 3 * abs(float(d.mean()))  # the test tells the two conventions apart
+
+
+@gpu
+@needs_engine
+def test_per_request_seeds_repeat_and_do_not_depend_on_order(engine, small_nvfp4):
+    _, adapters = small_nvfp4
+    engine.set_policy(adapters[0], 0)
+    params = SamplingParams(1.0, 1.0, 16)
+    seeds = list(range(16))
+    a = engine.generate(PROMPTS, seeds, params)
+    b = engine.generate(PROMPTS, seeds, params)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    order = list(reversed(range(16)))
+    c = engine.generate([PROMPTS[i] for i in order], [seeds[i] for i in order], params)
+    assert [c[order.index(i)].token_ids for i in range(16)] == [x.token_ids for x in a]
+    d = engine.generate(PROMPTS, [s + 1000 for s in seeds], params)
+    assert sum(x.token_ids != y.token_ids for x, y in zip(a, d)) >= 12
+
+
+@gpu
+@needs_engine
+def test_adapter_versions_are_explicit_and_never_stale(engine, small_nvfp4):
+    _, (a0, a1) = small_nvfp4
+    params = SamplingParams(0.0, 1.0, 12)
+    engine.set_policy(None, 0)
+    base = engine.generate(PROMPTS, [0] * 16, params)
+    engine.set_policy(a0, 10)
+    id0 = engine.lora_request.lora_int_id
+    assert engine.llm.llm_engine.list_loras() == {id0}
+    out0 = engine.generate(PROMPTS, [0] * 16, params)
+    engine.set_policy(a1, 11)
+    id1 = engine.lora_request.lora_int_id
+    assert id1 != id0 and engine.llm.llm_engine.list_loras() == {id1}
+    out1 = engine.generate(PROMPTS, [0] * 16, params)
+    engine.set_policy(a0, 12)
+    assert engine.llm.llm_engine.list_loras() == {engine.lora_request.lora_int_id} != {id0}
+    again = engine.generate(PROMPTS, [0] * 16, params)
+    toks = lambda cs: [c.token_ids for c in cs]  # noqa: E731
+    assert toks(out0) != toks(base) and toks(out1) != toks(out0)
+    assert toks(again) == toks(out0)
+
+
+@gpu
+@needs_engine
+def test_aqn_reaches_vllm_rmsnorm_with_the_trainers_bits(engine, small_nvfp4):
+    from qerl_lib.aqn import fingerprint, noised
+
+    ckpt, (a0, _) = small_nvfp4
+    engine.set_policy(a0, 0)
+    params = SamplingParams(1.0, 1.0, 12)
+    seeds = list(range(16))
+
+    def run(sigma, seed, step):
+        info = engine.set_noise(sigma, seed, step, force=True)
+        comps = engine.generate(PROMPTS, seeds, params)
+        return info, [c.token_ids for c in comps], torch.tensor([x for c in comps for x in c.logprobs[:4]])
+
+    info0, t0, l0 = run(0.0, 0, 0)
+    print(f"[vllm] AQN targets: {info0['targets']} modules of {info0['classes']}")
+    assert len(info0["classes"]) == 1 and info0["classes"][0].startswith("vllm.") and "RMSNorm" in info0["classes"][0]
+    assert info0["targets"] == 4
+    info1, t1, l1 = run(0.05, 7, 1)
+    info1b, t1b, l1b = run(0.05, 7, 1)
+    info2, t2, l2 = run(0.05, 7, 2)
+    info3, t3, l3 = run(0.0, 0, 0)
+    print(f"[vllm] AQN sigma 0.05: max |logprob change| {float((l1 - l0).abs().max()):.3f}; "
+          f"same (seed, step) again {float((l1b - l1).abs().max()):.2e}; back to sigma 0 {float((l3 - l0).abs().max()):.2e}")
+    assert info1["fingerprint"] == info1b["fingerprint"] != info0["fingerprint"] != info2["fingerprint"]
+    assert float((l1 - l0).abs().max()) > 1e-2 and t1 == t1b and float((l1b - l1).abs().max()) < 1e-4
+    assert float((l2 - l1).abs().max()) > 1e-2
+    assert info3["fingerprint"] == info0["fingerprint"] and t3 == t0 and float((l3 - l0).abs().max()) < 1e-4
+    # the trainer's NoiseInjector writes the very same bits into the transformers norms
+    from qerl_lib.model import load_base
+
+    trainer = load_base(ckpt, "nvfp4", torch.bfloat16, torch.device("cuda"))
+    assert info0["dtype"] == "torch.bfloat16" and fingerprint(trainer) == info0["fingerprint"]
+    with noised(trainer, 0.05, 7, 1):
+        assert fingerprint(trainer) == info1["fingerprint"]
+
+
+@gpu
+@needs_engine
+def test_sleep_frees_memory_and_wake_restores_identical_outputs(engine, small_nvfp4):
+    _, (a0, _) = small_nvfp4
+    engine.set_policy(a0, 0)
+    engine.set_noise(0.05, 3, 1)
+    params = SamplingParams(1.0, 1.0, 12)
+    before = engine.generate(PROMPTS, list(range(16)), params)
+    free0 = torch.cuda.mem_get_info()[0]
+    engine.sleep()
+    free1 = torch.cuda.mem_get_info()[0]
+    engine.wake_up()
+    after = engine.generate(PROMPTS, list(range(16)), params)
+    print(f"[vllm] sleep freed {(free1 - free0) / 2**30:.2f} GiB; sleep {engine.stats.sleep_seconds:.2f} s, "
+          f"wake {engine.stats.wake_seconds:.2f} s")
+    assert free1 - free0 > 2**28
+    assert [c.token_ids for c in after] == [c.token_ids for c in before]
+    assert all(math.isclose(x, y, abs_tol=1e-4) for c, d in zip(before, after) for x, y in zip(c.logprobs, d.logprobs))
+    engine.set_noise(0.0, 0, 0)
