@@ -106,6 +106,10 @@ class RolloutConfig(_Section):
     """Completion length cap; completions that hit it are `truncated`."""
     batch_size: int = Field(32, ge=1)
     """Sequences decoded together by the transformers backend."""
+    dense_cache: bool = True
+    """transformers backend: hold the NVFP4 base dequantized while sampling (one dense copy
+    of the base for the length of a rollout, freed before training; same outputs bit for bit
+    on the PyTorch path). Decoding is otherwise dominated by per-token dequantization."""
     vllm_gpu_memory_utilization: float = 0.5
     """Share of GPU memory the vLLM engine may take (the trainer needs the rest)."""
     vllm_enforce_eager: bool = False
@@ -212,7 +216,7 @@ class EvalConfig(_Section):
     """Also report greedy (temperature 0) accuracy."""
     max_new_tokens: int = 48
     """Completion length cap in evaluation."""
-    max_prompts: int | None = 64
+    max_prompts: int | None = 32
     """Evaluate on at most this many test prompts; null uses all."""
 
 

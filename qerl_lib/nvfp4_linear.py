@@ -26,6 +26,8 @@ Loaders:
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import logging
 import os
@@ -216,6 +218,12 @@ class NVFP4Linear(nn.Module):
             # what nn.Linear does under autocast: compute in the autocast dtype
             x = x.to(torch.get_autocast_dtype(x.device.type))
         lead = x.shape[:-1]
+        dense = self.__dict__.get("_inference_weight")
+        if dense is not None and dense.dtype == x.dtype and not torch.is_grad_enabled():
+            # Inside `dense_inference_cache`: the same dequantized W the torch path would make.
+            y = torch.nn.functional.linear(x.reshape(-1, self.in_features), dense,
+                                           None if self.bias is None else self.bias.to(x.dtype))
+            return y.reshape(*lead, self.out_features)
         y = _NVFP4LinearFunction.apply(
             x.reshape(-1, self.in_features), self.weight_packed, self.weight_scale, self.weight_global_scale, self.bias
         )
@@ -477,3 +485,25 @@ def resident_weight_bytes(model: nn.Module) -> dict[str, int]:
         out[name] = out.get(name, 0) + tensor.numel() * tensor.element_size()
     out["total"] = sum(out.values())
     return out
+
+
+@contextlib.contextmanager
+def dense_inference_cache(model: nn.Module, dtype: torch.dtype):
+    """Hold each NVFP4 weight dequantized (in `dtype`) while the block runs, for no-grad
+    sampling only; freed on exit.
+
+    Autoregressive decoding calls every layer once per token; dequantizing 4-bit weights
+    on each call dominates a CPU decode step. The cache costs one dense copy of the base
+    (e.g. 540 MB in fp32 for SmolLM2-135M) for the length of a rollout, never during
+    training, and gives bit-identical outputs to the packed path on the PyTorch backend
+    (same dequantization, same matmul). Other backends (Triton on CUDA) are left alone.
+    """
+    layers = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
+    use = [m for m in layers if get_matmul_backend(m.weight_packed.device) is TORCH_BACKEND]
+    try:
+        for m in use:
+            m.__dict__["_inference_weight"] = m.dequantized_weight(dtype)
+        yield len(use)
+    finally:
+        for m in use:
+            m.__dict__.pop("_inference_weight", None)

@@ -23,6 +23,8 @@ Rollout backends (`rollout.backend`):
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import os
 from pathlib import Path
@@ -102,17 +104,22 @@ class Policy:
             return self._generate_vllm(prompts, seeds, params, progress)
         from qerl_lib.sampling import sample_batch
 
+        from qerl_lib.nvfp4_linear import dense_inference_cache
+
         self.model.eval()
         out = []
-        for start in range(0, len(prompts), batch_size):
-            out.extend(
-                sample_batch(
-                    self.model, prompts[start:start + batch_size], seeds[start:start + batch_size], params,
-                    self.eos_ids, self.tokenizer.pad_token_id,
+        cache = dense_inference_cache(self.model, self.dtype) if self.cfg.rollout.dense_cache \
+            else contextlib.nullcontext()
+        with cache:
+            for start in range(0, len(prompts), batch_size):
+                out.extend(
+                    sample_batch(
+                        self.model, prompts[start:start + batch_size], seeds[start:start + batch_size], params,
+                        self.eos_ids, self.tokenizer.pad_token_id,
+                    )
                 )
-            )
-            if progress is not None:
-                progress(len(out))
+                if progress is not None:
+                    progress(len(out))
         return out
 
     # ------------------------------------------------------------------ vLLM backend
