@@ -122,6 +122,8 @@ def _nvfp4_oneshot(base_dir: Path, out_dir: Path) -> None:
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from qerl_lib.model import drop_environment_keys
+
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
     recipe = QuantizationModifier(**RECIPE)
@@ -129,6 +131,7 @@ def _nvfp4_oneshot(base_dir: Path, out_dir: Path) -> None:
     oneshot(model=model, recipe=recipe)
     model.save_pretrained(str(out_dir), save_compressed=True)
     tokenizer.save_pretrained(str(out_dir))
+    drop_environment_keys(out_dir / "tokenizer_config.json")
     cfg = json.loads((out_dir / "config.json").read_text())
     fmt = cfg.get("quantization_config", {}).get("format")
     if fmt != "nvfp4-pack-quantized":

@@ -95,8 +95,20 @@ def materialize_base(base: str, gguf_file: str | None, out_dir: Path) -> Path:
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        drop_environment_keys(tmp / "tokenizer_config.json")
         (tmp / "SOURCE").write_text(f"{base}\n{gguf or ''}\n")
     return out_dir
+
+
+def drop_environment_keys(path: Path) -> None:
+    """transformers records `local_files_only` (from HF_HUB_OFFLINE) in tokenizer_config.json:
+    a fact of the machine, not of the model, which would make checkpoint bytes depend on it."""
+    import json
+
+    if path.is_file():
+        cfg = json.loads(path.read_text())
+        if cfg.pop("local_files_only", None) is not None:
+            path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
 def load_tokenizer(model_dir: str | Path):
