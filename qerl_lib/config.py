@@ -162,7 +162,7 @@ class AlgoConfig(_Section):
 
 
 class OptimConfig(_Section):
-    lr: float = 1e-4
+    lr: float = 3e-4
     """Peak learning rate of the LoRA parameters (the paper found ~10x the 16-bit LoRA rate best for NVFP4)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
@@ -223,7 +223,7 @@ class EvalConfig(_Section):
 class RunConfig(_Section):
     root: str = "runs/default"
     """Workspace directory holding every artifact of the run (see `qerl_lib.paths`)."""
-    steps: int = Field(4, ge=1)
+    steps: int = Field(6, ge=1)
     """RL steps (rollout -> reward -> update)."""
     seed: int = 0
     """Master seed: prompt order, sampling seeds and LoRA init derive from it with hashlib."""
