@@ -28,6 +28,9 @@ def _telemetry_off() -> None:
     for k, v in {
         "DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DVC_NO_ANALYTICS": "1",
         "VLLM_NO_USAGE_STATS": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false",
+        # MKL's default kernels may round differently with the memory alignment of a buffer,
+        # which differs between processes; strict CNR mode makes CPU stages repeat to the bit.
+        "MKL_CBWR": "AUTO,STRICT",
     }.items():
         os.environ.setdefault(k, v)
 
