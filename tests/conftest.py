@@ -8,7 +8,10 @@ so each conversion runs once per test session (about a second each on two CPU co
 
 from __future__ import annotations
 
+import os
 import string
+
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # as qerl_lib sets it; before torch loads MKL
 import warnings
 from pathlib import Path
 
