@@ -21,8 +21,10 @@ Engines (`--engines`, run one at a time, each in its own process, CUDA graphs on
 sizes = the batch sizes):
   bf16-rR     BF16 weights, LoRA slots of rank R; measures LoRA rank R (and no LoRA if R = 16)
   nvfp4-rR    NVFP4 as vLLM ships it (Marlin W4A16 for every batch)
-  nvfp4h-rR   NVFP4 + dense fallback: Marlin up to `--dense-above` rows, dequantized BF16
-              copies above (the project's default regime when memory allows)
+  nvfp4h-rR   the project's regime (`qerl_lib.vllm_worker`): Marlin + LoRA kernels up to
+              `--dense-above` sequences per step; above, one dense BF16 GEMM per linear with
+              the adapter merged in (no LoRA kernels)
+  ...-ds      suffix: vLLM's LoRA kernels on a second CUDA stream (VLLM_LORA_ENABLE_DUAL_STREAM)
 "No LoRA" is measured on the rank-16 engines with requests that carry no adapter (vLLM
 captures separate CUDA graphs for batches without LoRA).
 
@@ -115,7 +117,7 @@ def qwen7b_config(quantized: bool) -> dict:
     c.architectures = ["Qwen2ForCausalLM"]
     d = c.to_dict()
     if quantized:
-        from qerl_lib.vllm_engine import nvfp4a16_quantization_config
+        from qerl_lib.nvfp4_checkpoint import nvfp4a16_quantization_config
 
         d["quantization_config"] = nvfp4a16_quantization_config()
     return d
@@ -234,7 +236,7 @@ def gemm_profile(layers: list[dict], ms: list[int]) -> dict:
         prepare_fp4_layer_for_marlin,
     )
 
-    from qerl_lib.vllm_engine import dequantize_partitions
+    from qerl_lib.vllm_worker import dequantize_partitions
 
     groups = {"qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "o": ["self_attn.o_proj"],
               "gate_up": ["mlp.gate_proj", "mlp.up_proj"], "down": ["mlp.down_proj"]}
@@ -320,10 +322,12 @@ def gemm_profile(layers: list[dict], ms: list[int]) -> dict:
 # ----------------------------------------------------------------------------- one engine (child process)
 
 
-def parse_spec(spec: str) -> tuple[str, int]:
-    fmt, rank = spec.split("-r")
+def parse_spec(spec: str) -> tuple[str, int, bool]:
+    """`FMT-rR[-ds]` -> (format, max LoRA rank, LoRA kernels on a second CUDA stream)."""
+    dual = spec.endswith("-ds")
+    fmt, rank = spec.removesuffix("-ds").split("-r")
     assert fmt in ("bf16", "nvfp4", "nvfp4h"), spec
-    return fmt, int(rank)
+    return fmt, int(rank), dual
 
 
 def run_engine(args) -> None:
@@ -332,13 +336,14 @@ def run_engine(args) -> None:
     from qerl_lib.sampling import SamplingParams
     from qerl_lib.vllm_engine import VLLMEngine
 
-    fmt, rank = parse_spec(args.child)
+    fmt, rank, dual = parse_spec(args.child)
     work = Path(args.work)
     out_path = work / f"engine-{args.child}.json"
     loras = [int(x) for x in args.loras.split(",")] if args.loras else ([rank, 0] if rank == 16 else [rank])
     batches = [int(b) for b in args.batches.split(",")]
     deadline = float(args.deadline)
-    result = {"spec": args.child, "format": fmt, "max_lora_rank": rank, "cells": [], "skipped": []}
+    result = {"spec": args.child, "format": fmt, "max_lora_rank": rank, "lora_dual_stream": dual, "cells": [],
+              "skipped": []}
 
     def save():
         out_path.write_text(json.dumps(result, indent=1))
@@ -350,7 +355,8 @@ def run_engine(args) -> None:
     ckpt = work / ("bf16" if fmt == "bf16" else "nvfp4")
     dense_above = args.dense_above if fmt == "nvfp4h" else None
     eng = VLLMEngine(ckpt, max_lora_rank=rank, gpu_memory_utilization=args.mem, enforce_eager=False, seed=0,
-                     max_model_len=args.prompt + args.decode + 16, dense_above=dense_above, engine_kwargs=kwargs)
+                     max_model_len=args.prompt + args.decode + 16, dense_above=dense_above, lora_dual_stream=dual,
+                     engine_kwargs=kwargs)
     result["startup_seconds"] = eng.stats.startup_seconds
     result["linear_info"] = eng.rpc("qerl_linear_info")
     result["dense_above"] = dense_above
@@ -410,23 +416,29 @@ def run_engine(args) -> None:
 
 
 def summarize(res: dict) -> dict:
+    """One row per (engine, LoRA rank, batch); `over_bf16` against the stock BF16 engine of the same
+    LoRA slot rank (`bf16-rR`) at the same LoRA rank and batch."""
     bw = res.get("copy_bandwidth", {}).get("bytes_per_s")
     engines = res.get("engines", {})
     by = {}
     for spec, e in engines.items():
         for c in e.get("cells", []):
-            by[(e["format"], e["max_lora_rank"], c["lora_rank"], c["batch"])] = (c, e)
+            by[(spec, c["lora_rank"], c["batch"])] = (c, e)
     rows = []
-    for (fmt, slot, lora, b), (c, e) in sorted(by.items(), key=lambda kv: (kv[0][2], kv[0][3], kv[0][0])):
+    for (spec, lora, b), (c, e) in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+        fmt, slot = e["format"], e["max_lora_rank"]
         med = c["decode_tok_s"]["median"]
-        row = {"format": fmt, "lora_rank": lora, "lora_slots": slot, "batch": b, "decode_tok_s": med,
+        row = {"engine": spec, "format": fmt, "lora_rank": lora, "lora_slots": slot, "batch": b,
+               "lora_dual_stream": e.get("lora_dual_stream", False), "decode_tok_s": med,
                "decode_min": c["decode_tok_s"]["min"], "decode_max": c["decode_tok_s"]["max"],
                "e2e_tok_s": c["e2e_tok_s"]["median"]}
-        ref = by.get(("bf16", slot, lora, b))
+        ref = by.get((f"bf16-r{slot}", lora, b))
         if ref is not None:
             row["over_bf16"] = round(med / ref[0]["decode_tok_s"]["median"], 3)
         if bw:
-            wb = weight_bytes_per_step(fmt, b, slot if lora else 0, e.get("dense_above"))
+            dense_above = e.get("dense_above")
+            merged = fmt == "nvfp4h" and dense_above is not None and b > dense_above
+            wb = weight_bytes_per_step(fmt, b, slot if lora and not merged else 0, dense_above)
             kvb = kv_bytes_per_step(b, c["prompt"], c["decode"])
             row["weight_bytes_per_step"] = wb
             row["weight_read_bound_tok_s"] = round(b * bw / wb, 1)
@@ -438,10 +450,10 @@ def summarize(res: dict) -> dict:
 
 
 def print_table(summary: dict) -> None:
-    print(f"{'fmt':7s} {'lora':>4s} {'batch':>5s} {'decode tok/s':>13s} {'min..max':>19s} {'/bf16':>6s} "
+    print(f"{'engine':15s} {'lora':>4s} {'batch':>5s} {'decode tok/s':>13s} {'min..max':>19s} {'/bf16':>6s} "
           f"{'bound':>9s} {'share':>6s}")
     for r in summary["rows"]:
-        print(f"{r['format']:7s} {r['lora_rank']:4d} {r['batch']:5d} {r['decode_tok_s']:13.1f} "
+        print(f"{r['engine']:15s} {r['lora_rank']:4d} {r['batch']:5d} {r['decode_tok_s']:13.1f} "
               f"{r['decode_min']:9.1f}..{r['decode_max']:<9.1f} {r.get('over_bf16', float('nan')):6.3f} "
               f"{r.get('weight_read_bound_tok_s', float('nan')):9.1f} {r.get('share_of_weight_bound', float('nan')):6.3f}")
 
@@ -482,9 +494,8 @@ def driver(args) -> None:
         except Exception:
             res["versions"][name] = ""
     marker = work / "nvfp4" / "model.safetensors"
-    if not args.no_profile:
-        res["copy_bandwidth"] = copy_bandwidth()
-        print(f"copy bandwidth {res['copy_bandwidth']['tb_per_s']} TB/s", flush=True)
+    res["copy_bandwidth"] = copy_bandwidth()  # a few seconds; the weight-read bound needs this run's own figure
+    print(f"copy bandwidth {res['copy_bandwidth']['tb_per_s']} TB/s", flush=True)
     if marker.is_file() and args.no_profile:
         print("synthetic checkpoint present, profile skipped", flush=True)
     else:
@@ -575,7 +586,7 @@ def main() -> None:
     p.add_argument("--deadline-s", type=float, default=540.0, help="stop starting work after this many seconds")
     p.add_argument("--min-engine-s", type=float, default=100.0, help="start an engine only with this much time left")
     p.add_argument("--no-share", action="store_true", help="let each engine use all the time left (default: a fair share)")
-    p.add_argument("--no-profile", action="store_true", help="skip bandwidth and GEMM profile (reuse a checkpoint)")
+    p.add_argument("--no-profile", action="store_true", help="skip the GEMM profile and reuse the synthetic checkpoint if present")
     p.add_argument("--merge", nargs="+", default=None, help="combine these result files into --out")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--deadline", default=None, help=argparse.SUPPRESS)

@@ -152,6 +152,27 @@ def noise_vector(key: str, hidden: int, sigma: float, seed: int, step: int) -> t
 # --------------------------------------------------------------------------- injection
 
 
+@torch.no_grad()
+def write_noise(targets: list[tuple[str, nn.Module]], clean: dict[str, torch.Tensor], sigma: float, seed: int,
+                step: int) -> None:
+    """weight <- clean[key] + noise_vector(key, ...) for every (key, module) of `targets`, in place.
+
+    The one arithmetic of AQN, shared by the trainer (`NoiseInjector`) and the vLLM workers
+    (`qerl_lib.vllm_worker.NormNoise`) so both hold the same bits: float32 sum, one cast to the
+    weight's dtype, `copy_` into the existing storage (never a rebind: CUDA graphs keep pointers).
+    sigma 0 writes the clean weights back exactly.
+    """
+    for key, mod in targets:
+        w = mod.weight
+        if sigma == 0:
+            w.copy_(clean[key])
+            continue
+        z = noise_vector(key, w.shape[0], sigma, seed, step).to(w.device)
+        w.copy_((clean[key].float() + z).to(w.dtype))
+
+
+
+
 class NoiseInjector:
     """Writes clean + noise into the AQN targets of one model, in place, and restores them exactly.
 
@@ -186,15 +207,9 @@ class NoiseInjector:
         if self.state is not None:
             self.reset()
         for key, mod in self.targets:
-            w = mod.weight
-            clean = self._clean[key]
-            if w.requires_grad:
-                clean.copy_(w)  # trainable: the clean weight is whatever the optimizer left
-            if sigma == 0:
-                w.copy_(clean)
-                continue
-            z = noise_vector(key, w.shape[0], sigma, seed, step).to(w.device)
-            w.copy_((clean.float() + z).to(w.dtype))
+            if mod.weight.requires_grad:
+                self._clean[key].copy_(mod.weight)  # trainable: the clean weight is whatever the optimizer left
+        write_noise(self.targets, self._clean, sigma, seed, step)
         self.state = (float(sigma), int(seed), int(step))
 
     @torch.no_grad()

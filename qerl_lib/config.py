@@ -116,6 +116,15 @@ class RolloutConfig(_Section):
     """Disable CUDA graphs in vLLM (slower decode, faster start)."""
     vllm_max_lora_rank: int = 16
     """vLLM's `max_lora_rank`; must be one of 8, 16, 32, 64, 128, ... and >= lora.r."""
+    vllm_dense_above: int | Literal["auto", "off"] = "auto"
+    """NVFP4 engine regime (`qerl_lib.vllm_worker`): sequences per decode step above which the
+    linears run as one dense BF16 GEMM with the adapter merged in (Marlin + LoRA kernels at or
+    below). Costs 2 bytes per quantized weight of GPU memory. `auto`: 48 (the Marlin-vs-cuBLAS
+    crossover measured on the H200) when the dense copies take at most a quarter of the
+    engine's memory budget, else `off`; `off`: Marlin at every batch."""
+    vllm_lora_dual_stream: bool = False
+    """Run vLLM's LoRA kernels on a second CUDA stream beside the base GEMM
+    (`VLLM_LORA_ENABLE_DUAL_STREAM`)."""
 
 
 class RewardConfig(_Section):

@@ -16,9 +16,9 @@ Rollout backends (`rollout.backend`):
   `set_noise`); after it, the engine sleeps (weights to CPU, KV cache dropped) so the
   trainer has the GPU, unless `QERL_VLLM_SLEEP=0`. The trainer's model stays the
   transformers one. Start-up and hand-over timings go to `<run.root>/vllm_engine.json`.
-  NVFP4 engines also keep dense copies of their linears for batches above
-  `QERL_VLLM_DENSE_ABOVE` rows (see `vllm_engine`) when those copies take at most a quarter
-  of the engine's memory; `QERL_VLLM_DENSE_ABOVE=off` turns that off.
+  NVFP4 engines run the regime of `rollout.vllm_dense_above` (`qerl_lib.vllm_worker`): by
+  default, dense copies with the adapter merged in above 48 sequences per step when those
+  copies take at most a quarter of the engine's memory.
 """
 
 from __future__ import annotations
@@ -153,25 +153,34 @@ crossover measured on the H200 for the 7B shape (Marlin faster up to 48 rows, sl
 def _engine_key(cfg: QerlConfig, checkpoint: Path) -> tuple:
     rc = cfg.rollout
     return (str(Path(checkpoint).resolve()), rc.vllm_max_lora_rank, rc.vllm_gpu_memory_utilization,
-            rc.vllm_enforce_eager, cfg.run.seed, os.environ.get("QERL_VLLM_DENSE_ABOVE", ""))
+            rc.vllm_enforce_eager, cfg.run.seed, rc.vllm_dense_above, rc.vllm_lora_dual_stream)
+
+
+def dense_above_for(cfg: QerlConfig, checkpoint: Path) -> int | None:
+    """`rollout.vllm_dense_above` resolved for `checkpoint`: rows, or None (Marlin at every batch)."""
+    from qerl_lib.vllm_engine import auto_dense_above
+
+    rc = cfg.rollout
+    if rc.vllm_dense_above == "off":
+        return None
+    if rc.vllm_dense_above == "auto":
+        total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
+        return auto_dense_above(checkpoint, rc.vllm_gpu_memory_utilization * total, DEFAULT_DENSE_ABOVE)
+    return int(rc.vllm_dense_above)
 
 
 def get_engine(cfg: QerlConfig, checkpoint: Path):
     """The `VLLMEngine` of this process for `checkpoint` and the rollout config (one at a time)."""
-    from qerl_lib.vllm_engine import VLLMEngine, auto_dense_above, dense_above_from_env
+    from qerl_lib.vllm_engine import VLLMEngine
 
     key = _engine_key(cfg, checkpoint)
     if key not in _ENGINES:
         close_engines()
         rc = cfg.rollout
-        if os.environ.get("QERL_VLLM_DENSE_ABOVE", "").strip():
-            dense_above = dense_above_from_env()
-        else:
-            total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
-            dense_above = auto_dense_above(checkpoint, rc.vllm_gpu_memory_utilization * total, DEFAULT_DENSE_ABOVE)
         _ENGINES[key] = VLLMEngine(
             checkpoint, max_lora_rank=rc.vllm_max_lora_rank, gpu_memory_utilization=rc.vllm_gpu_memory_utilization,
-            enforce_eager=rc.vllm_enforce_eager, seed=cfg.run.seed, dense_above=dense_above,
+            enforce_eager=rc.vllm_enforce_eager, seed=cfg.run.seed, dense_above=dense_above_for(cfg, checkpoint),
+            lora_dual_stream=rc.vllm_lora_dual_stream,
         )
     return _ENGINES[key]
 

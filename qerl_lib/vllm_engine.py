@@ -3,8 +3,8 @@ the transformers backend (`Policy.load_adapter / set_noise / generate`).
 
 vLLM is a GPU-only, optional dependency (`pip install -e ".[gpu]"`, or the carried wheel set
 of `scripts/device_vllm.sh` on the lent H200). This module imports it lazily: the pure parts
-(sampling translation, adapter bookkeeping, the norm-noise writer, the NVFP4 checkpoint writer)
-import and are tested without it.
+(sampling translation, adapter bookkeeping) import and are tested without it; the code that runs
+inside vLLM's worker lives in `qerl_lib.vllm_worker`.
 
 What the engine does, and why:
 
@@ -20,15 +20,12 @@ What the engine does, and why:
   (`norms.safetensors` beside the adapter, `lora.train_norms`) are written into vLLM's norms
   by the worker extension, since a PEFT LoRA cannot carry them.
 
-- **AQN that really reaches vLLM.** `AQNWorkerExtension` is mixed into vLLM's GPU worker
-  (`worker_extension_cls`); `collective_rpc("qerl_set_noise", ...)` finds the targets by
-  module *name* (vLLM's own `RMSNorm` class, not transformers'), keeps a clean copy of each,
-  and writes `clean + qerl_lib.aqn.noise_vector(key, ...)` in place with `copy_` (never a
-  rebind, so CUDA graphs see it). The noise is drawn on a CPU generator from (seed, step,
-  key), so it is bit-identical to what the trainer's `NoiseInjector` writes; each call starts
-  from the clean copy (no random walk) and sigma 0 restores it exactly. The prefix cache is
-  reset after every change of noise or adapter (cached KV blocks were computed by the old
-  weights).
+- **AQN that really reaches vLLM.** The worker extension (`qerl_lib.vllm_worker`, mixed into
+  vLLM's GPU worker through `worker_extension_cls`) writes clean + noise(seed, step) in place
+  into vLLM's own `RMSNorm` weights with the trainer's arithmetic, so the bits equal the
+  trainer's; each call starts from the clean copy and sigma 0 restores it exactly. The prefix
+  cache is reset after every change of noise or adapter (cached KV blocks were computed by the
+  old weights).
 
 - **Sampling logprobs = log softmax(logits / T) of the sampled token, before top-p** (the
   project's convention, `qerl_lib.sampling`). vLLM 0.26 offers `logprobs_mode`
@@ -49,16 +46,14 @@ What the engine does, and why:
 - **Sleep and wake** (`enable_sleep_mode=True`): `sleep()` (level 1) offloads the weights to
   CPU memory and drops the KV cache so training can use the GPU; `wake_up()` restores them.
 
-- **Dense fallback for large batches (optional, `dense_above`).** Marlin's W4A16 GEMM reads a
-  quarter of the bytes of a BF16 GEMM, which wins when decode is bound by reading weights
-  (small batches), and loses to cuBLAS once the batch makes the GEMM compute-bound. With
-  `dense_above=M*` every NVFP4 linear layer also keeps its dequantized BF16 weight (made once
-  at load time by `qerl_lib.nvfp4.dequantize_nvfp4`, the project's bit-exact
-  compressed-tensors dequantization) and runs a custom op `qerl::nvfp4_hybrid_linear` that
-  takes the Marlin kernel for M <= M* rows and `F.linear` on the dense copy above. The op is
-  opaque to torch.compile, so the branch is taken per captured CUDA-graph size. Memory cost:
-  2 bytes per quantized weight on top of the packed 0.5625 (for a 7B model about +13 GB).
-  Both paths compute with the same NVFP4 weights; they differ by bf16 accumulation order only.
+- **Regimes of an NVFP4 engine** (`dense_above`, `lora_dual_stream`; the reasons and the memory
+  cost are in `qerl_lib.vllm_worker`). `dense_above=None`: Marlin at every batch, as vLLM
+  ships it. `dense_above=M*`: Marlin + vLLM's LoRA kernels up to M* sequences per decode step,
+  and above that one dense BF16 GEMM per linear with the current adapter merged in
+  (`set_policy` re-merges it on every adapter change), which needs no LoRA kernel.
+  `lora_dual_stream` sets vLLM's `VLLM_LORA_ENABLE_DUAL_STREAM`, which runs the LoRA kernels
+  on a second CUDA stream beside the base GEMM (the small-batch regime's LoRA cost is launch
+  latency, which the overlap hides).
 """
 
 from __future__ import annotations
@@ -74,17 +69,15 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from qerl_lib.aqn import aqn_norms, noise_vector, norm_key
 from qerl_lib.sampling import Completion, SamplingParams
+from qerl_lib.vllm_worker import DENSE_ABOVE_ENV
 
 log = logging.getLogger(__name__)
 
-EXTENSION = "qerl_lib.vllm_engine.AQNWorkerExtension"
+EXTENSION = "qerl_lib.vllm_worker.AQNWorkerExtension"
 """Qualified name passed to `vllm.LLM(worker_extension_cls=...)`."""
 LOGPROBS_MODE = "raw_logprobs"
 """vLLM logprobs mode used with the temperature folded into the logits scale (module doc)."""
-DENSE_ABOVE_ENV = "QERL_VLLM_DENSE_ABOVE"
-"""Environment variable read by the engine's worker: rows above which NVFP4 linears run dense."""
 NORMS_FILE = "norms.safetensors"
 VALID_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 """`max_lora_rank` values vLLM 0.26 accepts."""
@@ -178,362 +171,6 @@ class AdapterSlots:
         self.request, self.version, self.digest = None, None, None
 
 
-class NormNoise:
-    """Clean copies of a model's AQN targets and the in-place writer of clean + noise.
-
-    The same arithmetic as `qerl_lib.aqn.NoiseInjector.apply` (float32 sum, one cast to the
-    weight's dtype, `copy_` into the existing storage), on any model whose modules are named
-    `...layers.<i>.input_layernorm` / `post_attention_layernorm` (HF, PEFT or vLLM), so the
-    noised weights are bit-identical to the trainer's for the same clean weights.
-    `base` holds the checkpoint's norms; `clean` is `base` overridden by trained norms that
-    came with the adapter (`set_overrides`).
-    """
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-        self.targets = aqn_norms(model)
-        if not self.targets:
-            raise ValueError("no AQN targets (input_layernorm / post_attention_layernorm) in the model")
-        self.base = {k: m.weight.detach().clone() for k, m in self.targets}
-        self.clean = {k: v.clone() for k, v in self.base.items()}
-        self._others: dict[str, tuple[torch.nn.Module, torch.Tensor]] = {}
-        """Other norms overridden by an adapter (e.g. the final `model.norm`): module and checkpoint weight."""
-        self.state: tuple[float, int, int] = (0.0, 0, 0)
-
-    @torch.no_grad()
-    def set_overrides(self, tensors: dict[str, torch.Tensor] | None) -> int:
-        """Clean weights = checkpoint norms with `tensors` (trained norms by parameter name) on top.
-
-        AQN targets are matched by `norm_key`; any other name (the final norm) by module name.
-        Writes the clean weights (noise off) and returns how many tensors were applied; a later
-        call without a tensor restores the checkpoint's weight.
-        """
-        self.clean = {k: v.clone() for k, v in self.base.items()}
-        for module, base in self._others.values():
-            module.weight.copy_(base)
-        modules = None
-        n = 0
-        for name, value in (tensors or {}).items():
-            mod_name = name.removesuffix(".weight")
-            key = norm_key(mod_name)
-            if key in self.clean:
-                self.clean[key].copy_(value.to(self.clean[key].dtype))
-                n += 1
-                continue
-            if modules is None:
-                modules = dict(self.model.named_modules())
-            module = modules.get(mod_name)
-            if module is None or getattr(module, "weight", None) is None or module.weight.shape != value.shape:
-                raise KeyError(f"trained norm {name!r} has no matching module in the engine's model")
-            if mod_name not in self._others:
-                self._others[mod_name] = (module, module.weight.detach().clone())
-            module.weight.copy_(value.to(module.weight.dtype))
-            n += 1
-        self.apply(0.0, 0, 0)
-        return n
-
-    @torch.no_grad()
-    def apply(self, sigma: float, seed: int, step: int) -> None:
-        for key, mod in self.targets:
-            w = mod.weight
-            clean = self.clean[key]
-            if sigma == 0:
-                w.copy_(clean)
-                continue
-            z = noise_vector(key, w.shape[0], sigma, seed, step).to(w.device)
-            w.copy_((clean.float() + z).to(w.dtype))
-        self.state = (float(sigma), int(seed), int(step))
-
-    def fingerprint(self) -> str:
-        from qerl_lib.aqn import _fingerprint
-
-        return _fingerprint(self.targets)
-
-    def describe(self) -> dict[str, Any]:
-        classes = sorted({f"{type(m).__module__}.{type(m).__name__}" for _, m in self.targets})
-        return {"targets": len(self.targets), "classes": classes, "state": list(self.state),
-                "dtype": str(self.targets[0][1].weight.dtype), "fingerprint": self.fingerprint()}
-
-
-def dequantize_partitions(
-    packed: torch.Tensor, scale: torch.Tensor, global_scales: torch.Tensor, widths: list[int],
-    dtype: torch.dtype = torch.bfloat16,
-) -> torch.Tensor:
-    """Dense weight [N, K] of a (possibly fused) NVFP4 layer in vLLM's loaded layout.
-
-    vLLM stacks fused projections (q|k|v, gate|up) along the output rows and keeps one
-    compressed-tensors global scale per partition; each partition is dequantized with its
-    own scale by `qerl_lib.nvfp4.dequantize_nvfp4` (bit-identical to compressed-tensors).
-    """
-    from qerl_lib.nvfp4 import dequantize_nvfp4
-
-    if sum(widths) != packed.shape[0] or global_scales.numel() != len(widths):
-        raise ValueError(f"partitions {widths} / {global_scales.numel()} scales do not match {tuple(packed.shape)}")
-    out = torch.empty(packed.shape[0], packed.shape[1] * 2, dtype=dtype, device=packed.device)
-    row = 0
-    for i, w in enumerate(widths):
-        out[row:row + w] = dequantize_nvfp4(packed[row:row + w], scale[row:row + w],
-                                            global_scales.reshape(-1)[i:i + 1], dtype)
-        row += w
-    return out
-
-
-def dense_above_from_env() -> int | None:
-    """`QERL_VLLM_DENSE_ABOVE` as an int (rows above which NVFP4 linears run dense), None if unset/off."""
-    raw = os.environ.get(DENSE_ABOVE_ENV, "").strip().lower()
-    if raw in ("", "off", "none", "false"):
-        return None
-    return int(raw)
-
-
-# ============================================================================ checkpoint writer
-
-_LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def nvfp4a16_quantization_config() -> dict[str, Any]:
-    """config.json's `quantization_config` as llm-compressor writes it for NVFP4A16, lm_head ignored."""
-    return {
-        "config_groups": {
-            "group_0": {
-                "format": "nvfp4-pack-quantized",
-                "input_activations": None,
-                "output_activations": None,
-                "targets": ["Linear"],
-                "weights": {
-                    "actorder": None, "block_structure": None, "dynamic": False, "group_size": 16,
-                    "num_bits": 4, "observer": "memoryless_minmax", "observer_kwargs": {},
-                    "scale_dtype": "torch.float8_e4m3fn", "strategy": "tensor_group", "symmetric": True,
-                    "type": "float", "zp_dtype": None,
-                },
-            }
-        },
-        "format": "nvfp4-pack-quantized",
-        "global_compression_ratio": None,
-        "ignore": ["lm_head"],
-        "kv_cache_scheme": None,
-        "quant_method": "compressed-tensors",
-        "quantization_status": "compressed",
-        "sparsity_config": {},
-        "transform_config": {},
-        "version": "0.19.0",
-    }
-
-
-def write_nvfp4_checkpoint(dense_dir: str | Path, out_dir: str | Path) -> Path:
-    """NVFP4A16 compressed-tensors checkpoint of a dense Llama/Qwen2 dir, without llm-compressor.
-
-    The same tensors as `oneshot(QuantizationModifier(targets="Linear", scheme="NVFP4A16",
-    ignore=["lm_head"]))` writes (bit for bit; a CPU test compares them): every decoder linear
-    becomes weight_packed / weight_scale / weight_global_scale through
-    `qerl_lib.nvfp4.quantize_nvfp4`, with q/k/v and gate/up sharing one global scale; all other
-    tensors are copied. For machines without llm-compressor (the GPU machine) and for tests.
-    """
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    from qerl_lib.nvfp4 import nvfp4_global_scale, quantize_nvfp4
-
-    dense_dir, out_dir = Path(dense_dir), Path(out_dir)
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(dense_dir.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-    groups = {"q_proj": ("q_proj", "k_proj", "v_proj"), "k_proj": ("q_proj", "k_proj", "v_proj"),
-              "v_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_proj", "up_proj"),
-              "up_proj": ("gate_proj", "up_proj")}
-    out: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        parts = name.split(".")
-        if len(parts) >= 3 and parts[-1] == "weight" and parts[-2] in _LINEAR_SUFFIXES and ".layers." in name:
-            prefix = ".".join(parts[:-2])
-            members = groups.get(parts[-2], (parts[-2],))
-            gs = nvfp4_global_scale(*[tensors[f"{prefix}.{m}.weight"] for m in members])
-            packed, scale, gs = quantize_nvfp4(t, gs)
-            base = name.removesuffix(".weight")
-            out[f"{base}.weight_packed"] = packed.contiguous()
-            out[f"{base}.weight_scale"] = scale.contiguous()
-            out[f"{base}.weight_global_scale"] = gs.contiguous()
-        else:
-            out[name] = t
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(out, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((dense_dir / "config.json").read_text())
-    config["quantization_config"] = nvfp4a16_quantization_config()
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    for p in dense_dir.iterdir():
-        if p.name not in ("config.json", "model.safetensors.index.json") and p.suffix != ".safetensors" and p.is_file():
-            shutil.copy(p, out_dir / p.name)
-    return out_dir
-
-
-# ============================================================================ dense fallback (worker side)
-
-_HYBRID: dict[str, Any] = {"installed": False, "layers": [], "threshold": None, "orig_apply": None}
-
-
-def _is_nvfp4_a16(layer) -> bool:
-    scheme = getattr(layer, "scheme", None)
-    return (type(scheme).__name__ == "CompressedTensorsW4A4Fp4" and bool(getattr(scheme, "use_a16", False))
-            and hasattr(layer, "weight_packed"))
-
-
-def install_hybrid_patch() -> bool:
-    """Wrap vLLM's compressed-tensors linear method so NVFP4 layers can also run dense (module doc).
-
-    Installed once per process (at import of this module in vLLM's worker, which imports it
-    to resolve the worker extension, before the model loads). Inactive unless
-    `QERL_VLLM_DENSE_ABOVE` is set when the model loads. Returns whether vLLM was found.
-    """
-    if _HYBRID["installed"]:
-        return True
-    try:
-        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
-            CompressedTensorsLinearMethod,
-        )
-    except Exception:  # vLLM absent (CPU) or a layout we do not know
-        return False
-    import torch.nn.functional as F
-
-    orig_process = CompressedTensorsLinearMethod.process_weights_after_loading
-    orig_apply = CompressedTensorsLinearMethod.apply
-    _HYBRID["orig_apply"] = orig_apply
-
-    @torch.library.custom_op("qerl::nvfp4_hybrid_linear", mutates_args=())
-    def nvfp4_hybrid_linear(x: torch.Tensor, index: int, with_bias: bool) -> torch.Tensor:
-        method, layer = _HYBRID["layers"][index]
-        rows = x.numel() // x.shape[-1]
-        if rows <= _HYBRID["threshold"]:
-            return orig_apply(method, layer, x, layer.bias if with_bias else None)
-        return F.linear(x, layer.qerl_dense_weight, layer.qerl_dense_bias if with_bias else None)
-
-    @nvfp4_hybrid_linear.register_fake
-    def _(x: torch.Tensor, index: int, with_bias: bool) -> torch.Tensor:
-        _, layer = _HYBRID["layers"][index]
-        return x.new_empty((*x.shape[:-1], layer.output_size_per_partition))
-
-    def process_weights_after_loading(self, layer):
-        threshold = dense_above_from_env()
-        dense = bias = None
-        if threshold is not None and _is_nvfp4_a16(layer):
-            widths = list(getattr(layer, "logical_widths", None) or [layer.weight_packed.shape[0]])
-            dense = dequantize_partitions(layer.weight_packed.data, layer.weight_scale.data,
-                                          layer.weight_global_scale.data.float(), widths,
-                                          getattr(layer, "params_dtype", torch.bfloat16))
-            b = getattr(layer, "bias", None)
-            bias = None if b is None else b.detach().clone()  # Marlin permutes layer.bias in place
-        orig_process(self, layer)
-        if dense is not None:
-            layer.qerl_dense_weight = dense
-            layer.qerl_dense_bias = bias
-            layer.qerl_hybrid_index = len(_HYBRID["layers"])
-            _HYBRID["layers"].append((self, layer))
-            _HYBRID["threshold"] = threshold
-
-    def apply(self, layer, x, bias=None):
-        index = getattr(layer, "qerl_hybrid_index", None)
-        if index is None:
-            return orig_apply(self, layer, x, bias)
-        return torch.ops.qerl.nvfp4_hybrid_linear(x, index, bias is not None)
-
-    CompressedTensorsLinearMethod.process_weights_after_loading = process_weights_after_loading
-    CompressedTensorsLinearMethod.apply = apply
-    _HYBRID["installed"] = True
-    return True
-
-
-def _worker_side_import() -> None:
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        return
-    install_hybrid_patch()
-
-
-_worker_side_import()
-
-
-# ============================================================================ worker extension
-
-
-class AQNWorkerExtension:
-    """Methods added to vLLM's GPU worker (`worker_extension_cls`), called by name through
-    `LLM.collective_rpc("qerl_...", args=...)`. Names carry the `qerl_` prefix: vLLM refuses
-    an extension whose attributes collide with the worker's."""
-
-    def _qerl_model(self):
-        return self.model_runner.get_model()
-
-    def _qerl_norms(self) -> NormNoise:
-        noise = getattr(self, "_qerl_norm_noise", None)
-        if noise is None:
-            noise = self._qerl_norm_noise = NormNoise(self._qerl_model())
-        return noise
-
-    def qerl_set_noise(self, sigma: float, seed: int, step: int) -> dict:
-        """Norm weights <- clean + noise(seed, step) in place (sigma 0: clean); returns `describe()`."""
-        noise = self._qerl_norms()
-        noise.apply(float(sigma), int(seed), int(step))
-        torch.cuda.synchronize()
-        return noise.describe()
-
-    def qerl_norm_info(self) -> dict:
-        return self._qerl_norms().describe()
-
-    def qerl_set_norm_overrides(self, path: str | None) -> int:
-        """Clean norms = checkpoint norms with the trained ones of `path` (a safetensors file) on top."""
-        tensors = None
-        if path:
-            from safetensors.torch import load_file
-
-            tensors = load_file(path)
-        n = self._qerl_norms().set_overrides(tensors)
-        torch.cuda.synchronize()
-        return n
-
-    def qerl_set_logit_scale(self, scale: float) -> int:
-        """Every `LogitsProcessor.scale` <- its original value * `scale`; returns how many were set."""
-        from vllm.model_executor.layers.logits_processor import LogitsProcessor
-
-        n = 0
-        for module in self._qerl_model().modules():
-            if isinstance(module, LogitsProcessor):
-                if not hasattr(module, "_qerl_base_scale"):
-                    module._qerl_base_scale = float(module.scale)
-                module.scale = module._qerl_base_scale * float(scale)
-                n += 1
-        if n == 0:
-            raise RuntimeError("no vLLM LogitsProcessor found: cannot fold the temperature into the logits")
-        return n
-
-    def qerl_linear_info(self) -> dict:
-        """Which linear kernels the model runs (class names) and the dense-fallback state."""
-        kernels: dict[str, int] = {}
-        for module in self._qerl_model().modules():
-            scheme = getattr(module, "scheme", None)
-            kernel = getattr(scheme, "kernel", None)
-            if kernel is not None:
-                name = type(kernel).__name__
-                kernels[name] = kernels.get(name, 0) + 1
-        dense_bytes = sum(layer.qerl_dense_weight.numel() * layer.qerl_dense_weight.element_size()
-                          for _, layer in _HYBRID["layers"])
-        return {"kernels": kernels, "hybrid_layers": len(_HYBRID["layers"]), "threshold": _HYBRID["threshold"],
-                "dense_bytes": dense_bytes}
-
-    def qerl_check_hybrid(self, rows: int = 16) -> dict:
-        """Largest relative difference between the Marlin and dense paths of every hybrid layer."""
-        worst = 0.0
-        g = torch.Generator(device="cuda")
-        g.manual_seed(0)
-        for method, layer in _HYBRID["layers"]:
-            k = layer.qerl_dense_weight.shape[1]
-            x = torch.randn(rows, k, device="cuda", dtype=layer.qerl_dense_weight.dtype, generator=g)
-            a = _HYBRID["orig_apply"](method, layer, x, None).float()
-            b = torch.nn.functional.linear(x, layer.qerl_dense_weight).float()
-            worst = max(worst, float((a - b).norm() / b.norm().clamp_min(1e-12)))
-        return {"layers": len(_HYBRID["layers"]), "max_rel_diff": worst}
-
-
 # ============================================================================ the engine
 
 
@@ -545,6 +182,7 @@ class EngineStats:
     tokens: int = 0
     adapter_swaps: int = 0
     adapter_seconds: float = 0.0
+    merge_seconds: float = 0.0
     noise_sets: int = 0
     noise_seconds: float = 0.0
     sleeps: int = 0
@@ -559,7 +197,9 @@ class VLLMEngine:
     `llm` may be given (tests pass a fake); otherwise it is built from `checkpoint` with
     `enable_lora`, `max_lora_rank`, `max_loras=1`, `enable_sleep_mode`, the AQN worker
     extension, `logprobs_mode="raw_logprobs"` and token-id prompts (no tokenizer in vLLM).
-    `dense_above`: rows above which NVFP4 linears use their dense copy (None: never; module doc).
+    `dense_above`: sequences per decode step above which NVFP4 linears run dense with the adapter
+    merged in (None: never; module doc). `lora_dual_stream`: vLLM's LoRA kernels on a second
+    CUDA stream (`VLLM_LORA_ENABLE_DUAL_STREAM`).
     `engine_kwargs` go to `vllm.LLM` unchanged (e.g. `compilation_config`, `max_num_seqs`).
     """
 
@@ -574,6 +214,7 @@ class VLLMEngine:
         max_model_len: int | None = None,
         dense_above: int | None = None,
         enable_lora: bool = True,
+        lora_dual_stream: bool = False,
         sleep_mode: bool = True,
         engine_kwargs: dict | None = None,
         llm=None,
@@ -583,6 +224,9 @@ class VLLMEngine:
         self.checkpoint = Path(checkpoint)
         self.max_lora_rank = max_lora_rank
         self.dense_above = dense_above
+        self.lora_dual_stream = lora_dual_stream
+        self.merges_adapter = enable_lora and dense_above is not None
+        """Whether the workers hold dense weights with the adapter merged in (re-merged on every swap)."""
         self.sleep_mode = sleep_mode
         self.stats = EngineStats()
         t0 = time.perf_counter()
@@ -596,6 +240,11 @@ class VLLMEngine:
                 # The op changes the traced graph but not vLLM's config hash: keep its compiled
                 # artifacts apart from those of a plain engine of the same model.
                 os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+            # read by vLLM when its LoRA layers are imported in the (spawned) worker
+            if lora_dual_stream:
+                os.environ["VLLM_LORA_ENABLE_DUAL_STREAM"] = "1"
+            else:
+                os.environ.pop("VLLM_LORA_ENABLE_DUAL_STREAM", None)
             from vllm import LLM
 
             kwargs = dict(
@@ -647,6 +296,10 @@ class VLLMEngine:
             before = self.slots.request
             self.slots.set(adapter_dir.resolve(), int(version), adapter_hash(adapter_dir))
             changed = self.slots.request is not before
+        if changed and self.merges_adapter:
+            t1 = time.perf_counter()
+            self.rpc("qerl_merge_adapter", None if adapter_dir is None else str(adapter_dir.resolve()))
+            self.stats.merge_seconds += time.perf_counter() - t1
         norms = None
         if adapter_dir is not None and (Path(adapter_dir) / NORMS_FILE).is_file():
             norms = str((Path(adapter_dir) / NORMS_FILE).resolve())
@@ -735,6 +388,7 @@ class VLLMEngine:
         s = self.stats
         out = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in s.__dict__.items()}
         out.update(checkpoint=str(self.checkpoint), max_lora_rank=self.max_lora_rank, dense_above=self.dense_above,
+                   lora_dual_stream=self.lora_dual_stream,
                    adapter_id=None if self.lora_request is None else self.lora_request.lora_int_id,
                    adapter_version=self.slots.version, noise=list(self._noise))
         return out

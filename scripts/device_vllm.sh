@@ -88,14 +88,16 @@ build_small_dense(Path(".device/rl/base"))
 EOF
     cat > .device/rl/config.yaml <<'EOF'
 # A 2-step QeRL run on a small random Llama (hidden 256, 2 layers, vocab 256) with the vLLM backend:
-# NVFP4 base (llm-compressor), LoRA r16, AQN noisy from step 1, DAPO without dynamic sampling (so the
+# NVFP4 base (llm-compressor), LoRA r16 (rollouts of 32 rows on the merged dense path, evaluations of 16
+# on Marlin + dual-stream LoRA kernels), AQN noisy from step 1, DAPO without dynamic sampling (so the
 # update trains on every group even when a random model earns no reward).
 run: {root: .device/rl/ws, steps: 2, seed: 0}
 data: {synthetic_train: 64, synthetic_test: 8}
 model: {base: .device/rl/base, quant: nvfp4}
 lora: {r: 16, alpha: 32}
 rollout: {backend: vllm, prompts_per_step: 8, group_size: 4, max_new_tokens: 32,
-          vllm_gpu_memory_utilization: 0.3, vllm_enforce_eager: false, vllm_max_lora_rank: 16}
+          vllm_gpu_memory_utilization: 0.3, vllm_enforce_eager: false, vllm_max_lora_rank: 16,
+          vllm_dense_above: 16, vllm_lora_dual_stream: true}
 algo: {dynamic_sampling: false}
 aqn: {stages: 2}
 eval: {max_prompts: 8, k: 2, max_new_tokens: 32}

@@ -24,18 +24,17 @@ import pytest
 import torch
 
 from qerl_lib.sampling import Completion, SamplingParams
+from qerl_lib.nvfp4_checkpoint import write_nvfp4_checkpoint
 from qerl_lib.vllm_engine import (
     AdapterSlots,
-    NormNoise,
     VLLMEngine,
     auto_dense_above,
-    dequantize_partitions,
     linear_param_count,
     logit_scale,
     to_completion,
     vllm_sampling_kwargs,
-    write_nvfp4_checkpoint,
 )
+from qerl_lib.vllm_worker import NormNoise, adapter_deltas, dequantize_partitions, merge_partitions
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -208,6 +207,56 @@ def test_dequantize_partitions_uses_each_partitions_global_scale():
     assert torch.equal(dense, want)
     with pytest.raises(ValueError):
         dequantize_partitions(packed, scale, gs, [32, 32], torch.bfloat16)
+
+
+def test_merge_partitions_adds_each_delta_in_float32_and_casts_once():
+    dense = torch.randn(8, 16).to(torch.bfloat16)
+    before = dense.clone()
+    d0, d2 = torch.randn(4, 16) * 1e-3, torch.randn(2, 16)
+    merge_partitions(dense, [4, 2, 2], [d0, None, d2])
+    assert torch.equal(dense[:4], (before[:4].float() + d0).to(torch.bfloat16))
+    assert torch.equal(dense[4:6], before[4:6])
+    assert torch.equal(dense[6:], (before[6:].float() + d2).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="does not fit"):
+        merge_partitions(dense, [4, 2, 2], [torch.zeros(3, 16), None, None])
+
+
+def test_merged_dense_qkv_equals_the_peft_layers_on_the_nvfp4_base(tiny_qwen2_nvfp4_dir, tmp_path):
+    """What the merged regime computes for a fused q|k|v layer (vLLM's layout: partitions stacked,
+    one global scale each) equals base + LoRA of the PEFT model the trainer runs."""
+    from safetensors.torch import load_file
+
+    ckpt = tiny_qwen2_nvfp4_dir
+    adapter = make_adapter(ckpt, tmp_path / "adapter", seed=3, r=8, scale=0.2)
+    pairs, scaling, cfg = adapter_deltas(adapter)
+    assert scaling == cfg["lora_alpha"] / cfg["r"] == 2.0
+    assert "model.layers.0.self_attn.q_proj" in pairs and len(pairs) == 2 * 7
+    t = load_file(str(ckpt / "model.safetensors"))
+    pre = "model.layers.0.self_attn"
+    parts = ("q_proj", "k_proj", "v_proj")
+    packed = torch.cat([t[f"{pre}.{p}.weight_packed"] for p in parts])
+    scale = torch.cat([t[f"{pre}.{p}.weight_scale"] for p in parts])
+    gs = torch.cat([t[f"{pre}.{p}.weight_global_scale"].reshape(1) for p in parts])
+    widths = [t[f"{pre}.{p}.weight_packed"].shape[0] for p in parts]
+    dense = dequantize_partitions(packed, scale, gs, widths, torch.float32)
+    deltas = [(pairs[f"{pre}.{p}"]["lora_B"].float() @ pairs[f"{pre}.{p}"]["lora_A"].float()) * scaling for p in parts]
+    merged = merge_partitions(dense, widths, deltas)
+
+    from qerl_lib.lora import load_adapter
+    from qerl_lib.model import load_base
+
+    model = load_adapter(load_base(ckpt, "nvfp4", torch.float32, torch.device("cpu")), adapter)
+    attn = model.base_model.model.model.layers[0].self_attn
+    x = torch.randn(5, dense.shape[1])
+    with torch.no_grad():
+        want = torch.cat([getattr(attn, p)(x) - getattr(attn, p).base_layer.bias for p in parts], dim=-1)
+    got = x @ merged.T
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(x @ dense_base(packed, scale, gs, widths).T, want, atol=1e-2)  # the adapter matters
+
+
+def dense_base(packed, scale, gs, widths):
+    return dequantize_partitions(packed, scale, gs, widths, torch.float32)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -426,7 +475,7 @@ def small_nvfp4(tmp_path_factory):
 def engine(small_nvfp4):
     ckpt, _ = small_nvfp4
     eng = VLLMEngine(ckpt, max_lora_rank=8, gpu_memory_utilization=0.25, enforce_eager=False, seed=0,
-                     max_model_len=512, dense_above=DENSE_ABOVE,
+                     max_model_len=512, dense_above=DENSE_ABOVE, lora_dual_stream=True,
                      engine_kwargs={"max_num_seqs": 32, "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}})
     print(f"\n[vllm] engine start-up {eng.stats.startup_seconds:.1f} s; linears: {eng.rpc('qerl_linear_info')}")
     yield eng
@@ -469,7 +518,8 @@ def _teacher_forced_logprobs(model, prompt, tokens, temperature=1.0):
 def test_engine_runs_marlin_and_the_dense_fallback_agrees(engine):
     info = engine.rpc("qerl_linear_info")
     assert set(info["kernels"]) == {"MarlinNvFp4LinearKernel"}
-    assert info["hybrid_layers"] == 8 and info["threshold"] == DENSE_ABOVE
+    assert info["hybrid_layers"] == 8 and info["merged_lora_layers"] == 8 and info["threshold"] == DENSE_ABOVE
+    assert info["lora_dual_stream"]
     check = engine.rpc("qerl_check_hybrid", 16)
     print(f"[vllm] Marlin vs dense copy, max relative difference {check['max_rel_diff']:.2e}")
     assert check["max_rel_diff"] < 2e-2
@@ -511,6 +561,27 @@ def test_greedy_tokens_equal_the_transformers_backend(engine, hf_model, small_nv
         assert torch.allclose(torch.tensor(c.logprobs), want, atol=0.1)
     print(f"[vllm] batch {batch}: {equal}/{len(prompts)} greedy sequences identical, {ties} split at near-ties")
     assert equal >= len(prompts) // 2
+
+
+@gpu
+@needs_engine
+def test_merged_dense_path_agrees_with_marlin_plus_lora_kernels(engine, small_nvfp4):
+    """The same greedy rows decoded one at a time (Marlin + vLLM's LoRA kernels on a second
+    stream) and 16 at a time (dense weights with the adapter merged in): equal logprobs up to
+    bf16 rounding, and the merge follows every adapter swap."""
+    _, (a0, a1) = small_nvfp4
+    params = SamplingParams(0.0, 1.0, 12)
+    for version, adapter in enumerate((a0, a1, None)):
+        engine.set_policy(adapter, 100 + version)
+        together = engine.generate(PROMPTS, [0] * 16, params)
+        alone = [engine.generate([p], [0], params)[0] for p in PROMPTS]
+        same = sum(x.token_ids == y.token_ids for x, y in zip(together, alone))
+        diffs = [abs(x - y) for a, b in zip(together, alone) for x, y in zip(a.logprobs[:4], b.logprobs[:4])]
+        print(f"[vllm] adapter {adapter and adapter.name}: {same}/16 rows equal across regimes, "
+              f"max |logprob diff| over the first 4 tokens {max(diffs):.3f}")
+        assert same >= 12 and max(diffs) < 0.1
+    info = engine.rpc("qerl_linear_info")
+    assert info["merged_adapter"] is None
 
 
 @gpu

@@ -1,0 +1,495 @@
+"""The worker side of the vLLM backend: code that runs inside vLLM's GPU worker process.
+
+vLLM imports this module in every worker to resolve `worker_extension_cls`
+(`qerl_lib.vllm_worker.AQNWorkerExtension`) before the model loads; the import installs the
+NVFP4 regime patches (`install_patches`), inert unless `QERL_VLLM_DENSE_ABOVE` is set. The
+driver side (`qerl_lib.vllm_engine.VLLMEngine`) calls the extension's `qerl_*` methods through
+`LLM.collective_rpc`. Nothing here imports vLLM at module level, so the pure parts
+(`NormNoise`, `dequantize_partitions`, `merge_partitions`) are tested on the CPU.
+
+**AQN in vLLM's own RMSNorm.** `NormNoise` finds the targets by module *name* (vLLM's `RMSNorm`
+class, not transformers'), keeps a clean copy of each and writes clean + noise(seed, step) in
+place with the trainer's arithmetic (`qerl_lib.aqn.write_noise`), so CUDA graphs see it and the
+bits equal the trainer's.
+
+**Regimes of an NVFP4 engine.** Marlin's W4A16 GEMM reads a quarter of the bytes of a BF16
+GEMM: it wins while a decode step is bound by reading weights (small batches) and loses to
+cuBLAS once the batch makes the GEMM compute-bound (from about 48 rows for the 7B shape on the
+H200). vLLM's LoRA adds a memset and two Triton launches per linear per step, about 1.5 ms
+per step on the 7B shape, which at batch 1 costs 30% of NVFP4's speed.
+- `QERL_VLLM_DENSE_ABOVE` unset: Marlin for every batch, vLLM's LoRA kernels (vLLM as shipped).
+- `QERL_VLLM_DENSE_ABOVE=M*`: every NVFP4 linear also keeps a dense BF16 weight (made at load
+  by `dequantize_partitions`, the bit-exact compressed-tensors dequantization) and a host copy
+  of its packed tensors. Decode steps of at most M* rows run as vLLM ships them (Marlin, then
+  the LoRA kernels); steps above M* run one `F.linear` on the dense weight, into which the
+  engine has *merged the current adapter* (`merge_adapter`: W + s * B @ A, float32 sum, one
+  cast to bf16, redone from the host copy on every adapter change), so no LoRA kernel runs at
+  all. The branch lives in opaque custom ops (`qerl::nvfp4_hybrid_linear`,
+  `qerl::lora_hybrid_linear`): torch.compile keeps it, and each captured CUDA-graph size takes
+  its own branch. Memory: +2 bytes per quantized weight on the GPU (about +13 GB for 7B),
+  +0.5625 on the host. A merged engine serves one adapter at a time: every request must carry
+  the current adapter (`VLLMEngine.generate` passes it), and tensor parallelism keeps the
+  unmerged dense path (base dense + LoRA kernels).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qerl_lib.aqn import aqn_norms, norm_key, write_noise
+
+DENSE_ABOVE_ENV = "QERL_VLLM_DENSE_ABOVE"
+"""Environment variable read in the worker at load: rows above which NVFP4 linears run dense."""
+PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+"""vLLM's fused projections and their HF/PEFT parts (used when the model lists none)."""
+
+
+# ============================================================================ AQN targets
+
+
+class NormNoise:
+    """Clean copies of a model's AQN targets and the in-place writer of clean + noise.
+
+    The trainer's own arithmetic (`qerl_lib.aqn.write_noise`: float32 sum, one cast to the
+    weight's dtype, `copy_` into the existing storage), on any model whose modules are named
+    `...layers.<i>.input_layernorm` / `post_attention_layernorm` (HF, PEFT or vLLM), so the
+    noised weights are bit-identical to the trainer's for the same clean weights.
+    `base` holds the checkpoint's norms; `clean` is `base` overridden by trained norms that
+    came with the adapter (`set_overrides`).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.targets = aqn_norms(model)
+        if not self.targets:
+            raise ValueError("no AQN targets (input_layernorm / post_attention_layernorm) in the model")
+        self.base = {k: m.weight.detach().clone() for k, m in self.targets}
+        self.clean = {k: v.clone() for k, v in self.base.items()}
+        self._others: dict[str, tuple[torch.nn.Module, torch.Tensor]] = {}
+        """Other norms overridden by an adapter (e.g. the final `model.norm`): module and checkpoint weight."""
+        self.state: tuple[float, int, int] = (0.0, 0, 0)
+
+    @torch.no_grad()
+    def set_overrides(self, tensors: dict[str, torch.Tensor] | None) -> int:
+        """Clean weights = checkpoint norms with `tensors` (trained norms by parameter name) on top.
+
+        AQN targets are matched by `norm_key`; any other name (the final norm) by module name.
+        Writes the clean weights (noise off) and returns how many tensors were applied; a later
+        call without a tensor restores the checkpoint's weight.
+        """
+        self.clean = {k: v.clone() for k, v in self.base.items()}
+        for module, base in self._others.values():
+            module.weight.copy_(base)
+        modules = None
+        n = 0
+        for name, value in (tensors or {}).items():
+            mod_name = name.removesuffix(".weight")
+            key = norm_key(mod_name)
+            if key in self.clean:
+                self.clean[key].copy_(value.to(self.clean[key].dtype))
+                n += 1
+                continue
+            if modules is None:
+                modules = dict(self.model.named_modules())
+            module = modules.get(mod_name)
+            if module is None or getattr(module, "weight", None) is None or module.weight.shape != value.shape:
+                raise KeyError(f"trained norm {name!r} has no matching module in the engine's model")
+            if mod_name not in self._others:
+                self._others[mod_name] = (module, module.weight.detach().clone())
+            module.weight.copy_(value.to(module.weight.dtype))
+            n += 1
+        self.apply(0.0, 0, 0)
+        return n
+
+    @torch.no_grad()
+    def apply(self, sigma: float, seed: int, step: int) -> None:
+        write_noise(self.targets, self.clean, sigma, seed, step)
+        self.state = (float(sigma), int(seed), int(step))
+
+    def fingerprint(self) -> str:
+        from qerl_lib.aqn import _fingerprint
+
+        return _fingerprint(self.targets)
+
+    def describe(self) -> dict[str, Any]:
+        classes = sorted({f"{type(m).__module__}.{type(m).__name__}" for _, m in self.targets})
+        return {"targets": len(self.targets), "classes": classes, "state": list(self.state),
+                "dtype": str(self.targets[0][1].weight.dtype), "fingerprint": self.fingerprint()}
+
+
+def dequantize_partitions(
+    packed: torch.Tensor, scale: torch.Tensor, global_scales: torch.Tensor, widths: list[int],
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Dense weight [N, K] of a (possibly fused) NVFP4 layer in vLLM's loaded layout.
+
+    vLLM stacks fused projections (q|k|v, gate|up) along the output rows and keeps one
+    compressed-tensors global scale per partition; each partition is dequantized with its
+    own scale by `qerl_lib.nvfp4.dequantize_nvfp4` (bit-identical to compressed-tensors).
+    """
+    from qerl_lib.nvfp4 import dequantize_nvfp4
+
+    if sum(widths) != packed.shape[0] or global_scales.numel() != len(widths):
+        raise ValueError(f"partitions {widths} / {global_scales.numel()} scales do not match {tuple(packed.shape)}")
+    out = torch.empty(packed.shape[0], packed.shape[1] * 2, dtype=dtype, device=packed.device)
+    row = 0
+    for i, w in enumerate(widths):
+        out[row:row + w] = dequantize_nvfp4(packed[row:row + w], scale[row:row + w],
+                                            global_scales.reshape(-1)[i:i + 1], dtype)
+        row += w
+    return out
+
+
+def dense_above_from_env() -> int | None:
+    """`QERL_VLLM_DENSE_ABOVE` as an int (rows above which NVFP4 linears run dense), None if unset/off."""
+    raw = os.environ.get(DENSE_ABOVE_ENV, "").strip().lower()
+    if raw in ("", "off", "none", "false"):
+        return None
+    return int(raw)
+
+
+def merge_partitions(dense: torch.Tensor, widths: list[int], deltas: list[torch.Tensor | None]) -> torch.Tensor:
+    """`dense` [N, K] with `deltas[i]` [widths[i], K] (float32, already scaled) added to partition i, in place.
+
+    float32 sum, one cast to `dense.dtype`; a None delta leaves its rows untouched.
+    """
+    if sum(widths) != dense.shape[0] or len(deltas) != len(widths):
+        raise ValueError(f"partitions {widths} / {len(deltas)} deltas do not match {tuple(dense.shape)}")
+    row = 0
+    for w, d in zip(widths, deltas):
+        if d is not None:
+            if tuple(d.shape) != (w, dense.shape[1]):
+                raise ValueError(f"delta {tuple(d.shape)} does not fit partition [{w}, {dense.shape[1]}]")
+            dense[row:row + w] = (dense[row:row + w].float() + d.to(dense.device, torch.float32)).to(dense.dtype)
+        row += w
+    return dense
+
+
+def adapter_deltas(adapter_dir: str | Path) -> tuple[dict[str, torch.Tensor], float, dict[str, Any]]:
+    """(PEFT module name -> (lora_A, lora_B) pair dict, scaling, adapter_config) of a saved adapter.
+
+    Module names drop PEFT's `base_model.model.` prefix (`model.layers.0.self_attn.q_proj`).
+    Scaling is lora_alpha / r (lora_alpha / sqrt(r) with `use_rslora`); per-module rank or
+    alpha patterns and DoRA are refused, since vLLM serves neither.
+    """
+    from safetensors.torch import load_file
+
+    adapter_dir = Path(adapter_dir)
+    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
+    if cfg.get("rank_pattern") or cfg.get("alpha_pattern") or cfg.get("use_dora"):
+        raise ValueError(f"{adapter_dir}/adapter_config.json: rank/alpha patterns and DoRA cannot be merged")
+    r = int(cfg["r"])
+    alpha = float(cfg.get("lora_alpha", r))
+    scaling = alpha / (r ** 0.5) if cfg.get("use_rslora") else alpha / r
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in load_file(str(adapter_dir / "adapter_model.safetensors")).items():
+        for ab in ("lora_A", "lora_B"):
+            suffix = f".{ab}.weight"
+            if key.endswith(suffix):
+                name = key[: -len(suffix)].removeprefix("base_model.model.")
+                pairs.setdefault(name, {})[ab] = t
+    for name, p in pairs.items():
+        if set(p) != {"lora_A", "lora_B"}:
+            raise ValueError(f"{adapter_dir}/adapter_model.safetensors: {name} lacks {({'lora_A', 'lora_B'} - set(p))}")
+    return pairs, scaling, cfg
+
+
+# ============================================================================ NVFP4 regimes (patches)
+
+_STATE: dict[str, Any] = {"installed": False, "layers": [], "lora": {}, "threshold": None, "orig_apply": None,
+                          "adapter": None}
+"""Worker-process state: hybrid layers (method, layer) by index, LoRA wrappers by the same index,
+the row threshold, vLLM's original `CompressedTensorsLinearMethod.apply`, the merged adapter."""
+
+
+class _Reentry:
+    """Set while `qerl::lora_hybrid_linear` runs vLLM's own LoRA path (which calls `apply` again)."""
+
+    active = False
+
+
+def _is_nvfp4_a16(layer) -> bool:
+    scheme = getattr(layer, "scheme", None)
+    return (type(scheme).__name__ == "CompressedTensorsW4A4Fp4" and bool(getattr(scheme, "use_a16", False))
+            and hasattr(layer, "weight_packed"))
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=torch.cuda.is_available())
+    return out.copy_(t.detach())
+
+
+def install_patches() -> bool:
+    """Patch vLLM's compressed-tensors linear method and LoRA linear layers for the regimes (module doc).
+
+    Installed once per process, at import of this module in vLLM's worker, before the model
+    loads. Inert unless `QERL_VLLM_DENSE_ABOVE` is set when the model loads. Returns whether
+    vLLM was found.
+    """
+    if _STATE["installed"]:
+        return True
+    try:
+        from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+            CompressedTensorsLinearMethod,
+        )
+    except Exception:  # vLLM absent (CPU) or a layout we do not know
+        return False
+    import torch.nn.functional as F
+
+    orig_process = CompressedTensorsLinearMethod.process_weights_after_loading
+    orig_apply = CompressedTensorsLinearMethod.apply
+    _STATE["orig_apply"] = orig_apply
+
+    @torch.library.custom_op("qerl::nvfp4_hybrid_linear", mutates_args=())
+    def nvfp4_hybrid_linear(x: torch.Tensor, index: int, with_bias: bool) -> torch.Tensor:
+        method, layer = _STATE["layers"][index]
+        rows = x.numel() // x.shape[-1]
+        if rows <= _STATE["threshold"]:
+            return orig_apply(method, layer, x, layer.bias if with_bias else None)
+        return F.linear(x, layer.qerl_dense_weight, layer.qerl_dense_bias if with_bias else None)
+
+    @nvfp4_hybrid_linear.register_fake
+    def _(x: torch.Tensor, index: int, with_bias: bool) -> torch.Tensor:
+        _, layer = _STATE["layers"][index]
+        return x.new_empty((*x.shape[:-1], layer.output_size_per_partition))
+
+    @torch.library.custom_op("qerl::lora_hybrid_linear", mutates_args=())
+    def lora_hybrid_linear(x: torch.Tensor, index: int, with_bias: bool) -> torch.Tensor:
+        wrapper = _STATE["lora"][index]
+        base = wrapper.base_layer
+        rows = x.numel() // x.shape[-1]
+        if rows <= _STATE["threshold"]:
+            _Reentry.active = True
+            try:  # vLLM's own LoRA layer: Marlin (through the op above) + LoRA kernels
+                return type(wrapper).apply(wrapper, x, base.bias if with_bias else None)
+            finally:
+                _Reentry.active = False
+        return F.linear(x, base.qerl_dense_weight, base.qerl_dense_bias if with_bias else None)
+
+    @lora_hybrid_linear.register_fake
+    def _(x: torch.Tensor, index: int, with_bias: bool) -> torch.Tensor:
+        base = _STATE["lora"][index].base_layer
+        return x.new_empty((*x.shape[:-1], base.output_size_per_partition))
+
+    def process_weights_after_loading(self, layer):
+        threshold = dense_above_from_env()
+        dense = bias = host = None
+        if threshold is not None and _is_nvfp4_a16(layer):
+            widths = list(getattr(layer, "logical_widths", None) or [layer.weight_packed.shape[0]])
+            host = (_host_copy(layer.weight_packed.data), _host_copy(layer.weight_scale.data),
+                    _host_copy(layer.weight_global_scale.data.float()), widths)
+            dense = dequantize_partitions(layer.weight_packed.data, layer.weight_scale.data,
+                                          layer.weight_global_scale.data.float(), widths,
+                                          getattr(layer, "params_dtype", torch.bfloat16))
+            b = getattr(layer, "bias", None)
+            bias = None if b is None else b.detach().clone()  # Marlin permutes layer.bias in place
+        orig_process(self, layer)
+        if dense is not None:
+            layer.qerl_dense_weight = dense
+            layer.qerl_dense_bias = bias
+            layer.qerl_host_packed = host
+            layer.qerl_hybrid_index = len(_STATE["layers"])
+            _STATE["layers"].append((self, layer))
+            _STATE["threshold"] = threshold
+
+    def apply(self, layer, x, bias=None):
+        index = getattr(layer, "qerl_hybrid_index", None)
+        if index is None:
+            return orig_apply(self, layer, x, bias)
+        return torch.ops.qerl.nvfp4_hybrid_linear(x, index, bias is not None)
+
+    CompressedTensorsLinearMethod.process_weights_after_loading = process_weights_after_loading
+    CompressedTensorsLinearMethod.apply = apply
+    _patch_lora_layers()
+    _STATE["installed"] = True
+    return True
+
+
+def _patch_lora_layers() -> None:
+    """LoRA wrappers of hybrid layers (tensor parallel 1) route `apply` through `qerl::lora_hybrid_linear`."""
+    try:
+        import vllm.lora.layers as lora_layers
+        from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+    except Exception:
+        return
+    orig_init = BaseLinearLayerWithLoRA.__init__
+
+    def __init__(self, base_layer, *args, **kwargs):
+        orig_init(self, base_layer, *args, **kwargs)
+        index = getattr(base_layer, "qerl_hybrid_index", None)
+        if index is not None and getattr(self, "tp_size", 1) == 1:
+            self.qerl_lora_index = index
+            _STATE["lora"][index] = self
+
+    def wrap(orig):
+        def apply(self, x, bias=None):
+            index = getattr(self, "qerl_lora_index", None)
+            if index is None or _Reentry.active:
+                return orig(self, x, bias)
+            return torch.ops.qerl.lora_hybrid_linear(x, index, bias is not None)
+
+        apply.__wrapped__ = orig
+        return apply
+
+    BaseLinearLayerWithLoRA.__init__ = __init__
+    classes = {BaseLinearLayerWithLoRA}
+    for name in dir(lora_layers):
+        obj = getattr(lora_layers, name)
+        if isinstance(obj, type) and issubclass(obj, BaseLinearLayerWithLoRA):
+            classes.add(obj)
+    for cls in classes:
+        if "apply" in cls.__dict__:
+            cls.apply = wrap(cls.__dict__["apply"])
+
+
+@torch.no_grad()
+def merge_adapter(model: torch.nn.Module, adapter_dir: str | None) -> dict:
+    """Dense weight of every hybrid LoRA layer <- dequantized base + the adapter's s * B @ A (None: the base).
+
+    Starts from the host copy of the packed tensors each time (no drift across adapters).
+    Every adapter module must land in a layer of the engine, else KeyError naming it.
+    """
+    t0 = time.perf_counter()
+    if not _STATE["lora"]:
+        return {"layers": 0, "modules": 0, "seconds": 0.0}
+    pairs, scaling = ({}, 1.0) if adapter_dir is None else adapter_deltas(adapter_dir)[:2]
+    names = {id(m): n for n, m in model.named_modules()}
+    packed = {**PACKED, **{k: tuple(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}}
+    used = set()
+    for index, wrapper in sorted(_STATE["lora"].items()):
+        base = wrapper.base_layer
+        name = names.get(id(wrapper))
+        if name is None:
+            raise RuntimeError(f"LoRA layer {index} is not in the served model")
+        prefix, leaf = name.rsplit(".", 1)
+        packed_w, scale, gs, widths = base.qerl_host_packed
+        device = base.qerl_dense_weight.device
+        dense = dequantize_partitions(packed_w.to(device, non_blocking=True), scale.to(device, non_blocking=True),
+                                      gs.to(device), widths, base.qerl_dense_weight.dtype)
+        parts = packed.get(leaf, (leaf,))
+        if len(parts) != len(widths):
+            raise RuntimeError(f"{name}: {len(widths)} partitions but packed mapping {parts}")
+        deltas = []
+        for part in parts:
+            pair = pairs.get(f"{prefix}.{part}")
+            if pair is None:
+                deltas.append(None)
+                continue
+            used.add(f"{prefix}.{part}")
+            a = pair["lora_A"].to(device, torch.float32)
+            b = pair["lora_B"].to(device, torch.float32)
+            deltas.append((b @ a) * scaling)
+        base.qerl_dense_weight.copy_(merge_partitions(dense, widths, deltas))
+    missing = sorted(set(pairs) - used)
+    if missing:
+        raise KeyError(f"{adapter_dir}: adapter modules with no layer in the engine: {missing[:4]}")
+    torch.cuda.synchronize()
+    _STATE["adapter"] = adapter_dir
+    return {"layers": len(_STATE["lora"]), "modules": len(used), "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def _worker_side_import() -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return
+    install_patches()
+
+
+_worker_side_import()
+
+
+# ============================================================================ worker extension
+
+
+class AQNWorkerExtension:
+    """Methods added to vLLM's GPU worker (`worker_extension_cls`), called by name through
+    `LLM.collective_rpc("qerl_...", args=...)`. Names carry the `qerl_` prefix: vLLM refuses
+    an extension whose attributes collide with the worker's."""
+
+    def _qerl_model(self):
+        return self.model_runner.get_model()
+
+    def _qerl_norms(self) -> NormNoise:
+        noise = getattr(self, "_qerl_norm_noise", None)
+        if noise is None:
+            noise = self._qerl_norm_noise = NormNoise(self._qerl_model())
+        return noise
+
+    def qerl_set_noise(self, sigma: float, seed: int, step: int) -> dict:
+        """Norm weights <- clean + noise(seed, step) in place (sigma 0: clean); returns `describe()`."""
+        noise = self._qerl_norms()
+        noise.apply(float(sigma), int(seed), int(step))
+        torch.cuda.synchronize()
+        return noise.describe()
+
+    def qerl_norm_info(self) -> dict:
+        return self._qerl_norms().describe()
+
+    def qerl_set_norm_overrides(self, path: str | None) -> int:
+        """Clean norms = checkpoint norms with the trained ones of `path` (a safetensors file) on top."""
+        tensors = None
+        if path:
+            from safetensors.torch import load_file
+
+            tensors = load_file(path)
+        n = self._qerl_norms().set_overrides(tensors)
+        torch.cuda.synchronize()
+        return n
+
+    def qerl_set_logit_scale(self, scale: float) -> int:
+        """Every `LogitsProcessor.scale` <- its original value * `scale`; returns how many were set."""
+        from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+        n = 0
+        for module in self._qerl_model().modules():
+            if isinstance(module, LogitsProcessor):
+                if not hasattr(module, "_qerl_base_scale"):
+                    module._qerl_base_scale = float(module.scale)
+                module.scale = module._qerl_base_scale * float(scale)
+                n += 1
+        if n == 0:
+            raise RuntimeError("no vLLM LogitsProcessor found: cannot fold the temperature into the logits")
+        return n
+
+    def qerl_linear_info(self) -> dict:
+        """Which linear kernels the model runs (class names) and the state of the regimes."""
+        kernels: dict[str, int] = {}
+        for module in self._qerl_model().modules():
+            scheme = getattr(module, "scheme", None)
+            kernel = getattr(scheme, "kernel", None)
+            if kernel is not None:
+                name = type(kernel).__name__
+                kernels[name] = kernels.get(name, 0) + 1
+        dense_bytes = sum(layer.qerl_dense_weight.numel() * layer.qerl_dense_weight.element_size()
+                          for _, layer in _STATE["layers"])
+        host_bytes = sum(t.numel() * t.element_size() for _, layer in _STATE["layers"]
+                         for t in layer.qerl_host_packed[:3])
+        return {"kernels": kernels, "hybrid_layers": len(_STATE["layers"]), "merged_lora_layers": len(_STATE["lora"]),
+                "threshold": _STATE["threshold"], "dense_bytes": dense_bytes, "host_bytes": host_bytes,
+                "merged_adapter": _STATE["adapter"],
+                "lora_dual_stream": os.environ.get("VLLM_LORA_ENABLE_DUAL_STREAM", "0") == "1"}
+
+    def qerl_merge_adapter(self, adapter_dir: str | None) -> dict:
+        """Merge the adapter of `adapter_dir` (None: none) into the dense weights (`merge_adapter`)."""
+        return merge_adapter(self._qerl_model(), adapter_dir)
+
+    def qerl_check_hybrid(self, rows: int = 16) -> dict:
+        """Largest relative difference between Marlin and the dequantized base, over every hybrid layer."""
+        worst = 0.0
+        g = torch.Generator(device="cuda")
+        g.manual_seed(0)
+        for method, layer in _STATE["layers"]:
+            packed, scale, gs, widths = layer.qerl_host_packed
+            dense = dequantize_partitions(packed.cuda(), scale.cuda(), gs.cuda(), widths, layer.qerl_dense_weight.dtype)
+            x = torch.randn(rows, dense.shape[1], device="cuda", dtype=dense.dtype, generator=g)
+            a = _STATE["orig_apply"](method, layer, x, None).float()
+            b = torch.nn.functional.linear(x, dense).float()
+            worst = max(worst, float((a - b).norm() / b.norm().clamp_min(1e-12)))
+        return {"layers": len(_STATE["layers"]), "max_rel_diff": worst}
