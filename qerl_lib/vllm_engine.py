@@ -240,7 +240,10 @@ class VLLMEngine:
                 # The op changes the traced graph but not vLLM's config hash: keep its compiled
                 # artifacts apart from those of a plain engine of the same model.
                 os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
-            # read by vLLM when its LoRA layers are imported in the (spawned) worker
+            # A fresh worker process: vLLM reads VLLM_LORA_ENABLE_DUAL_STREAM when its LoRA layers are
+            # first imported, and a forked worker inherits whatever this process imported before
+            # (measured: a forked worker had no `lora_linear_async` op and failed to start).
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
             if lora_dual_stream:
                 os.environ["VLLM_LORA_ENABLE_DUAL_STREAM"] = "1"
             else:
