@@ -122,9 +122,10 @@ class RolloutConfig(_Section):
     below). Costs 2 bytes per quantized weight of GPU memory. `auto`: 48 (the Marlin-vs-cuBLAS
     crossover measured on the H200) when the dense copies take at most a quarter of the
     engine's memory budget, else `off`; `off`: Marlin at every batch."""
-    vllm_lora_dual_stream: bool = False
+    vllm_lora_dual_stream: bool = True
     """Run vLLM's LoRA kernels on a second CUDA stream beside the base GEMM
-    (`VLLM_LORA_ENABLE_DUAL_STREAM`)."""
+    (`VLLM_LORA_ENABLE_DUAL_STREAM`): at small batch their cost is launch latency, which the
+    overlap hides (H200, 7B shape, r16, batch 1: NVFP4 192.6 -> 208.5 tok/s, BF16 156.3 -> 185.7)."""
 
 
 class RewardConfig(_Section):
