@@ -241,6 +241,24 @@ class RunConfig(_Section):
     """torch CPU threads (null: torch's default)."""
 
 
+class ParallelConfig(_Section):
+    """How a run spreads over several processes and GPUs (`qerl_lib.distributed` places them)."""
+
+    rollout_tensor_parallel: int = Field(1, ge=1)
+    """vLLM `tensor_parallel_size`: GPUs one rollout engine spans, for a model that does not fit
+    one GPU. The model's attention heads must divide by it (and its KV heads divide it or by it).
+    Above 1 the NVFP4 engine runs Marlin at every batch (no dense copies)."""
+    train_world_size: int = Field(1, ge=1)
+    """Processes of the LoRA update, data parallel: each holds the packed base and the adapter
+    and runs every world_size-th micro-batch; gradients are summed over processes before each
+    optimizer step, so the update equals the one-process update up to float summation order.
+    gloo on CPU, NCCL with one GPU per process on CUDA. Launched by the update stage itself
+    (local processes), or joins the group when started under `torchrun` (WORLD_SIZE set)."""
+    colocate: bool = True
+    """Trainer and rollout engine share GPUs (the engine sleeps during the update); false puts
+    the trainer on the GPUs after the engine's."""
+
+
 class PlanStep(_Section):
     """One RL step of the DVC stage list (`dvc.yaml` unrolls rollout/reward/update over these)."""
 
@@ -297,6 +315,8 @@ class QerlConfig(_Section):
     """Optimizer and schedule."""
     aqn: AQNConfig = AQNConfig()
     """Adaptive Quantization Noise."""
+    parallel: ParallelConfig = ParallelConfig()
+    """Several processes and GPUs."""
     eval: EvalConfig = EvalConfig()
     """Evaluation."""
     plan: PlanConfig = Field(default_factory=PlanConfig, exclude=True)

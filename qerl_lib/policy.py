@@ -24,7 +24,7 @@ Rollout backends (`rollout.backend`):
 from __future__ import annotations
 
 import contextlib
-
+import json
 import logging
 import os
 from pathlib import Path
@@ -153,7 +153,8 @@ crossover measured on the H200 for the 7B shape (Marlin faster up to 48 rows, sl
 def _engine_key(cfg: QerlConfig, checkpoint: Path) -> tuple:
     rc = cfg.rollout
     return (str(Path(checkpoint).resolve()), rc.vllm_max_lora_rank, rc.vllm_gpu_memory_utilization,
-            rc.vllm_enforce_eager, cfg.run.seed, rc.vllm_dense_above, rc.vllm_lora_dual_stream)
+            rc.vllm_enforce_eager, cfg.run.seed, rc.vllm_dense_above, rc.vllm_lora_dual_stream,
+            cfg.parallel.rollout_tensor_parallel)
 
 
 def dense_above_for(cfg: QerlConfig, checkpoint: Path) -> int | None:
@@ -161,8 +162,8 @@ def dense_above_for(cfg: QerlConfig, checkpoint: Path) -> int | None:
     from qerl_lib.vllm_engine import auto_dense_above
 
     rc = cfg.rollout
-    if rc.vllm_dense_above == "off":
-        return None
+    if rc.vllm_dense_above == "off" or cfg.parallel.rollout_tensor_parallel > 1:
+        return None  # the dense copies of a tensor-parallel engine are not wired (vllm_worker)
     if rc.vllm_dense_above == "auto":
         total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
         return auto_dense_above(checkpoint, rc.vllm_gpu_memory_utilization * total, DEFAULT_DENSE_ABOVE)
@@ -177,10 +178,16 @@ def get_engine(cfg: QerlConfig, checkpoint: Path):
     if key not in _ENGINES:
         close_engines()
         rc = cfg.rollout
+        tp = cfg.parallel.rollout_tensor_parallel
+        if tp > 1:
+            from qerl_lib.distributed import placement
+
+            config = json.loads((Path(checkpoint) / "config.json").read_text())
+            placement(cfg.parallel, torch.cuda.device_count(), config)  # refuses what does not fit, says why
         _ENGINES[key] = VLLMEngine(
             checkpoint, max_lora_rank=rc.vllm_max_lora_rank, gpu_memory_utilization=rc.vllm_gpu_memory_utilization,
             enforce_eager=rc.vllm_enforce_eager, seed=cfg.run.seed, dense_above=dense_above_for(cfg, checkpoint),
-            lora_dual_stream=rc.vllm_lora_dual_stream,
+            lora_dual_stream=rc.vllm_lora_dual_stream, tensor_parallel_size=tp,
         )
     return _ENGINES[key]
 

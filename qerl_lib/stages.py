@@ -281,6 +281,30 @@ def reward_stage(cfg: QerlConfig, layout: Layout, step: int) -> Path:
 
 
 def update_stage(cfg: QerlConfig, layout: Layout, step: int, policy=None) -> dict:
+    """scored rollouts of step i + adapter i -> adapter i+1 (and its optimizer state, metrics).
+
+    With `parallel.train_world_size` N > 1: joins the `torchrun` group this process was started
+    in, or starts N local ranks itself and returns rank 0's metrics (`qerl_lib.distributed`).
+    """
+    from qerl_lib.distributed import context_from_env, run_update_group
+
+    world = cfg.parallel.train_world_size
+    ctx = context_from_env()
+    if ctx is None and world > 1:
+        run_update_group(world, _update_rank, cfg.model_dump_json(), str(layout.root), step)
+        return read_json(layout.update_metrics(step))
+    if ctx is not None and ctx.world_size != world:
+        raise ValueError(f"parallel.train_world_size={world} but the process group has {ctx.world_size} ranks")
+    return _update(cfg, layout, step, policy if ctx is None else None, ctx)
+
+
+def _update_rank(cfg_json: str, root: str, step: int) -> None:
+    from qerl_lib.distributed import context_from_env
+
+    _update(QerlConfig.model_validate_json(cfg_json), Layout(root), step, None, context_from_env())
+
+
+def _update(cfg: QerlConfig, layout: Layout, step: int, policy, ctx) -> dict:
     import torch
 
     from qerl_lib.aqn import noised
@@ -316,24 +340,27 @@ def update_stage(cfg: QerlConfig, layout: Layout, step: int, policy=None) -> dic
     if kept:
         # The update sees the very noise its rollout sampled with (sigma and seed from the rows).
         with noised(pol.injector, float(sigma), int(aqn_seed), step):
-            metrics = train_on_rollouts(pol, optimizer, scheduler, kept, cfg)
+            metrics = train_on_rollouts(pol, optimizer, scheduler, kept, cfg, ctx)
     else:
         # Every group had equal rewards: nothing to learn; adapter step+1 = adapter step.
         metrics = {"loss": 0.0, "entropy": float("nan"), "kl": 0.0, "clip_frac": 0.0, "grad_norm": 0.0,
                    "lr": optimizer.param_groups[0]["lr"], "tokens": 0, "optimizer_steps": 0, "skipped": True}
     opt_steps = state["optimizer_steps"] + metrics.get("optimizer_steps", 0)
+    pol.version = step + 1
+    if ctx is not None and not ctx.is_main:
+        return metrics  # every rank holds the same adapter; rank 0 writes it
     out = layout.adapter(step + 1)
     with atomic_dir(out) as tmp:
         save_adapter(pol.model, tmp)
         torch.save(optimizer.state_dict(), tmp / OPTIMIZER_STATE)
         atomic_write_json(tmp / TRAINER_STATE, {"step": step + 1, "optimizer_steps": opt_steps})
-    pol.version = step + 1
     metrics.update({
         "step": step, "sigma": float(sigma), "aqn_stage": _aqn_stage(step, cfg),
         "reward_mean": float(rewards.mean()) if len(rows) else 0.0,
         "reward_std": float(rewards.std()) if len(rows) else 0.0,
         "samples": len(rows), "kept_samples": len(kept),
         "seconds": round(time.perf_counter() - t0, 3), "seconds_setup": round(t_setup, 3),
+        "world_size": 1 if ctx is None else ctx.world_size,
     })
     atomic_write_json(layout.update_metrics(step), metrics)
     return metrics

@@ -80,13 +80,16 @@ def _chunks(n: int, parts: int) -> list[range]:
     return [range(s, min(s + size, n)) for s in range(0, n, size)]
 
 
-def train_on_rollouts(policy, optimizer, scheduler, rows: list[dict], cfg: QerlConfig) -> dict:
+def train_on_rollouts(policy, optimizer, scheduler, rows: list[dict], cfg: QerlConfig, ctx=None) -> dict:
     """Run `algo.mini_batches` optimizer steps over `rows` (kept rows only). Returns metrics.
 
     Each mini-batch is split into micro-batches of `optim.micro_batch_size` sequences whose
     gradients accumulate; the loss normalisers (sequences, tokens) are those of the whole
-    mini-batch, so the accumulated gradient equals the full mini-batch's.
+    mini-batch, so the accumulated gradient equals the full mini-batch's. With a
+    `qerl_lib.distributed.DistContext`, this rank runs every world_size-th micro-batch and the
+    gradients and metric sums are summed over the group (same result on every rank).
     """
+    from qerl_lib.distributed import all_reduce_grads, all_reduce_sums, shard
     from qerl_lib.losses import LOSSES, LossNorm, add_stats
     from qerl_lib.optim import clip_grad_norm
 
@@ -109,7 +112,7 @@ def train_on_rollouts(policy, optimizer, scheduler, rows: list[dict], cfg: QerlC
         # Later mini-batches step a policy that has already moved: freeze the behaviour logprobs first.
         with torch.no_grad():
             for a, batches in enumerate(micro):
-                for b_i, b in enumerate(batches):
+                for b_i, b in shard(batches, ctx):
                     old_logps[a, b_i] = policy_logprobs(model, b, temperature, False)[0]
 
     totals: dict[str, float] = {}
@@ -120,7 +123,7 @@ def train_on_rollouts(policy, optimizer, scheduler, rows: list[dict], cfg: QerlC
         norm = LossNorm.from_masks([b.mask for b in batches], max_len=cfg.rollout.max_new_tokens)
         optimizer.zero_grad(set_to_none=True)
         loss_total = 0.0
-        for b_i, b in enumerate(batches):
+        for b_i, b in shard(batches, ctx):
             logp, entropy = policy_logprobs(model, b, temperature, True)
             old = old_logps.get((a, b_i), logp.detach())
             ref = None
@@ -136,17 +139,22 @@ def train_on_rollouts(policy, optimizer, scheduler, rows: list[dict], cfg: QerlC
             entropy_sum += float((entropy * m).sum())
             # k1 estimate of KL(rollout engine || trainer) on the sampled tokens: the engine mismatch.
             mismatch_sum += float(((b.rollout_logp - old) * m).sum())
+        all_reduce_grads(params, ctx)
         grad_norms.append(clip_grad_norm(params, cfg.optim.grad_clip))
         lrs.append(optimizer.param_groups[0]["lr"])
         losses.append(loss_total)
         optimizer.step()
         scheduler.step()
     model.eval()
+    sums = all_reduce_sums({"loss": sum(losses), "entropy": entropy_sum, "mismatch": mismatch_sum,
+                            "tokens": tokens_total, **{f"stat.{k}": v for k, v in totals.items()}}, ctx)
+    totals = {k.removeprefix("stat."): v for k, v in sums.items() if k.startswith("stat.")}
+    entropy_sum, mismatch_sum, tokens_total = sums["entropy"], sums["mismatch"], sums["tokens"]
     n_mini = len(micro)
     denom = max(tokens_total, 1.0)
     out = {k: v / n_mini for k, v in totals.items()}  # each mini-batch's stats are already normalised
     out.update({
-        "loss": sum(losses) / n_mini,
+        "loss": sums["loss"] / n_mini,
         "entropy": entropy_sum / denom,
         "kl": out.get("kl", 0.0),
         "mismatch_kl": mismatch_sum / denom,

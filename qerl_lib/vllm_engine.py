@@ -199,7 +199,9 @@ class VLLMEngine:
     extension, `logprobs_mode="raw_logprobs"` and token-id prompts (no tokenizer in vLLM).
     `dense_above`: sequences per decode step above which NVFP4 linears run dense with the adapter
     merged in (None: never; module doc). `lora_dual_stream`: vLLM's LoRA kernels on a second
-    CUDA stream (`VLLM_LORA_ENABLE_DUAL_STREAM`).
+    CUDA stream (`VLLM_LORA_ENABLE_DUAL_STREAM`). `tensor_parallel_size`: GPUs the engine spans
+    (vLLM's own tensor parallelism over NCCL, NVLink multicast off); every worker then holds the
+    same norms, so AQN and trained norms are written by each.
     `engine_kwargs` go to `vllm.LLM` unchanged (e.g. `compilation_config`, `max_num_seqs`).
     """
 
@@ -215,6 +217,7 @@ class VLLMEngine:
         dense_above: int | None = None,
         enable_lora: bool = True,
         lora_dual_stream: bool = False,
+        tensor_parallel_size: int = 1,
         sleep_mode: bool = True,
         engine_kwargs: dict | None = None,
         llm=None,
@@ -250,8 +253,13 @@ class VLLMEngine:
                 os.environ.pop("VLLM_LORA_ENABLE_DUAL_STREAM", None)
             from vllm import LLM
 
+            if tensor_parallel_size > 1:
+                from qerl_lib.distributed import multicast_off
+
+                multicast_off()
             kwargs = dict(
                 model=str(self.checkpoint),
+                tensor_parallel_size=tensor_parallel_size,
                 seed=seed,
                 gpu_memory_utilization=gpu_memory_utilization,
                 enforce_eager=enforce_eager,
@@ -280,7 +288,7 @@ class VLLMEngine:
     # ------------------------------------------------------------------ state pushed to the workers
 
     def rpc(self, method: str, *args):
-        """`collective_rpc` of one worker-extension method; the first worker's answer (one GPU)."""
+        """`collective_rpc` of one worker-extension method on every worker; the first one's answer."""
         return self.llm.collective_rpc(method, args=tuple(args))[0]
 
     def set_policy(self, adapter_dir: str | Path | None, version: int) -> None:
