@@ -248,6 +248,10 @@ class ParallelConfig(_Section):
     """vLLM `tensor_parallel_size`: GPUs one rollout engine spans, for a model that does not fit
     one GPU. The model's attention heads must divide by it (and its KV heads divide it or by it).
     Above 1 the NVFP4 engine runs Marlin at every batch (no dense copies)."""
+    rollout_replicas: int = Field(1, ge=1)
+    """Data-parallel rollout engines (`qerl_lib.rollout_replicas`), each in its own process on
+    its own `rollout_tensor_parallel` GPUs, each sampling a contiguous share of every batch of
+    rows; rows carry their own seeds, so the split does not choose their random streams."""
     train_world_size: int = Field(1, ge=1)
     """Processes of the LoRA update, data parallel: each holds the packed base and the adapter
     and runs every world_size-th micro-batch; gradients are summed over processes before each

@@ -54,27 +54,29 @@ def check_tensor_parallel(model_config: dict, tp: int) -> None:
 
 
 def placement(par: ParallelConfig, n_gpus: int, model_config: dict | None = None) -> dict[str, Any]:
-    """GPU ids of the rollout engine and of each trainer rank.
+    """GPU ids of each rollout replica and of each trainer rank.
 
-    Returns {"rollout": [gpu, ...], "train": [gpu per rank], "gpus_used": n}. With
-    `colocate` both start at GPU 0 (the engine sleeps while the trainer runs); without, the
-    trainer takes the GPUs after the engine's. `n_gpus` 0 (CPU) allows only the trainer,
-    whose ranks then have no GPU (None).
+    Returns {"rollout": [[gpu, ...] per replica], "train": [gpu per rank], "gpus_used": n}.
+    Replica r takes GPUs r*T .. r*T+T-1 (T = `rollout_tensor_parallel`). With `colocate` the
+    trainer also starts at GPU 0 (the engines sleep while it runs); without, it takes the GPUs
+    after the engines'. `n_gpus` 0 (CPU) allows only the trainer, whose ranks then have no GPU
+    (None).
     """
-    tp, world = par.rollout_tensor_parallel, par.train_world_size
+    tp, reps, world = par.rollout_tensor_parallel, par.rollout_replicas, par.train_world_size
     if model_config is not None:
         check_tensor_parallel(model_config, tp)
     if n_gpus == 0:
-        if tp > 1:
-            raise ValueError(f"parallel.rollout_tensor_parallel={tp} needs GPUs; none found")
+        if tp > 1 or reps > 1:
+            raise ValueError(f"parallel: {reps} rollout replica(s) of tensor parallel {tp} need GPUs; none found")
         return {"rollout": [], "train": [None] * world, "gpus_used": 0}
-    rollout = list(range(tp))
-    first = 0 if par.colocate else tp
+    engines = tp * reps
+    rollout = [list(range(r * tp, (r + 1) * tp)) for r in range(reps)]
+    first = 0 if par.colocate else engines
     train = list(range(first, first + world))
-    used = max(tp, world) if par.colocate else tp + world
+    used = max(engines, world) if par.colocate else engines + world
     if used > n_gpus:
-        how = "max(rollout_tensor_parallel, train_world_size)" if par.colocate else \
-            "rollout_tensor_parallel + train_world_size"
+        how = "max(rollout_tensor_parallel * rollout_replicas, train_world_size)" if par.colocate else \
+            "rollout_tensor_parallel * rollout_replicas + train_world_size"
         raise ValueError(f"parallel: {how} = {used} GPUs, but {n_gpus} are visible")
     return {"rollout": rollout, "train": train, "gpus_used": used}
 

@@ -154,7 +154,7 @@ def _engine_key(cfg: QerlConfig, checkpoint: Path) -> tuple:
     rc = cfg.rollout
     return (str(Path(checkpoint).resolve()), rc.vllm_max_lora_rank, rc.vllm_gpu_memory_utilization,
             rc.vllm_enforce_eager, cfg.run.seed, rc.vllm_dense_above, rc.vllm_lora_dual_stream,
-            cfg.parallel.rollout_tensor_parallel)
+            cfg.parallel.rollout_tensor_parallel, cfg.parallel.rollout_replicas)
 
 
 def dense_above_for(cfg: QerlConfig, checkpoint: Path) -> int | None:
@@ -178,17 +178,25 @@ def get_engine(cfg: QerlConfig, checkpoint: Path):
     if key not in _ENGINES:
         close_engines()
         rc = cfg.rollout
-        tp = cfg.parallel.rollout_tensor_parallel
-        if tp > 1:
+        par = cfg.parallel
+        tp, reps = par.rollout_tensor_parallel, par.rollout_replicas
+        groups = None
+        if tp > 1 or reps > 1:
             from qerl_lib.distributed import placement
 
             config = json.loads((Path(checkpoint) / "config.json").read_text())
-            placement(cfg.parallel, torch.cuda.device_count(), config)  # refuses what does not fit, says why
-        _ENGINES[key] = VLLMEngine(
-            checkpoint, max_lora_rank=rc.vllm_max_lora_rank, gpu_memory_utilization=rc.vllm_gpu_memory_utilization,
-            enforce_eager=rc.vllm_enforce_eager, seed=cfg.run.seed, dense_above=dense_above_for(cfg, checkpoint),
-            lora_dual_stream=rc.vllm_lora_dual_stream, tensor_parallel_size=tp,
-        )
+            # refuses what does not fit, and says why
+            groups = placement(par, torch.cuda.device_count(), config)["rollout"]
+        kwargs = dict(max_lora_rank=rc.vllm_max_lora_rank, gpu_memory_utilization=rc.vllm_gpu_memory_utilization,
+                      enforce_eager=rc.vllm_enforce_eager, seed=cfg.run.seed,
+                      dense_above=dense_above_for(cfg, checkpoint), lora_dual_stream=rc.vllm_lora_dual_stream,
+                      tensor_parallel_size=tp)
+        if reps > 1:
+            from qerl_lib.rollout_replicas import ReplicaPool, vllm_replica
+
+            _ENGINES[key] = ReplicaPool(reps, vllm_replica, (str(checkpoint), kwargs), gpu_groups=groups)
+        else:
+            _ENGINES[key] = VLLMEngine(checkpoint, **kwargs)
     return _ENGINES[key]
 
 

@@ -17,19 +17,25 @@ QWEN72B = {"num_attention_heads": 64, "num_key_value_heads": 8}
 
 def test_colocated_placement_shares_gpus_and_separate_placement_does_not():
     assert placement(ParallelConfig(rollout_tensor_parallel=2, train_world_size=2), 2, QWEN7B) == \
-        {"rollout": [0, 1], "train": [0, 1], "gpus_used": 2}
+        {"rollout": [[0, 1]], "train": [0, 1], "gpus_used": 2}
     assert placement(ParallelConfig(rollout_tensor_parallel=2, train_world_size=2, colocate=False), 4, QWEN72B) == \
-        {"rollout": [0, 1], "train": [2, 3], "gpus_used": 4}
-    assert placement(ParallelConfig(), 1) == {"rollout": [0], "train": [0], "gpus_used": 1}
+        {"rollout": [[0, 1]], "train": [2, 3], "gpus_used": 4}
+    assert placement(ParallelConfig(), 1) == {"rollout": [[0]], "train": [0], "gpus_used": 1}
+    assert placement(ParallelConfig(rollout_replicas=2, train_world_size=2), 2) == \
+        {"rollout": [[0], [1]], "train": [0, 1], "gpus_used": 2}
+    assert placement(ParallelConfig(rollout_tensor_parallel=2, rollout_replicas=2, colocate=False), 8, QWEN7B) == \
+        {"rollout": [[0, 1], [2, 3]], "train": [4], "gpus_used": 5}
 
 
 def test_placement_refuses_what_does_not_fit_and_says_why():
-    with pytest.raises(ValueError, match="rollout_tensor_parallel \\+ train_world_size = 3 GPUs, but 2"):
+    with pytest.raises(ValueError, match="rollout_replicas \\+ train_world_size = 3 GPUs, but 2"):
         placement(ParallelConfig(rollout_tensor_parallel=2, train_world_size=1, colocate=False), 2)
     with pytest.raises(ValueError, match="= 4 GPUs, but 2 are visible"):
         placement(ParallelConfig(train_world_size=4), 2)
-    with pytest.raises(ValueError, match="needs GPUs"):
+    with pytest.raises(ValueError, match="need GPUs"):
         placement(ParallelConfig(rollout_tensor_parallel=2), 0)
+    with pytest.raises(ValueError, match="rollout_replicas, train_world_size\\) = 4 GPUs, but 2"):
+        placement(ParallelConfig(rollout_tensor_parallel=2, rollout_replicas=2), 2)
     assert placement(ParallelConfig(train_world_size=2), 0) == {"rollout": [], "train": [None, None], "gpus_used": 0}
 
 
@@ -47,7 +53,7 @@ def test_parallel_config_rejects_zero_and_unknown_fields():
     with pytest.raises(Exception):
         ParallelConfig(train_world_size=0)
     with pytest.raises(Exception):
-        ParallelConfig(rollout_replicas=2)
+        ParallelConfig(rollout_workers=2)
 
 
 def test_shard_gives_every_item_to_exactly_one_rank():
@@ -154,3 +160,76 @@ def test_vllm_engine_gets_tensor_parallel_and_no_dense_copies(tiny_qwen2_dir, tm
     import os
 
     assert all(os.environ[k] == v for k, v in MULTICAST_OFF.items())
+
+
+# ----------------------------------------------------------------------------- rollout replicas
+
+
+class EchoEngine:
+    """A stand-in engine for replica processes: completions are a function of (prompt, seed, the
+    adapter version and noise it was told), plus the GPUs its process sees."""
+
+    def __init__(self, tag: str):
+        import os
+
+        self.tag, self.version, self.noise = tag, None, None
+        self.gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+
+    def set_policy(self, adapter_dir, version):
+        self.version = version
+
+    def set_noise(self, sigma, seed, step, force=False):
+        self.noise = (sigma, seed, step)
+
+    def generate(self, prompts, seeds, params, stop_token_ids=()):
+        from qerl_lib.sampling import Completion
+
+        if any(s < 0 for s in seeds):
+            raise ValueError("negative seed")
+        return [Completion([len(p), s, self.version, int(self.gpus)], [-self.noise[0]] * 4, "length")
+                for p, s in zip(prompts, seeds)]
+
+    def sleep(self, level=1):
+        pass
+
+    def stats_dict(self):
+        return {"tag": self.tag, "gpus": self.gpus}
+
+    def close(self):
+        pass
+
+
+def test_share_bounds_cover_the_rows_in_order():
+    from qerl_lib.rollout_replicas import share_bounds
+
+    assert share_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert share_bounds(2, 3) == [(0, 1), (1, 2), (2, 2)]
+
+
+def test_replica_pool_broadcasts_state_and_keeps_row_order():
+    from qerl_lib.rollout_replicas import ReplicaPool
+    from qerl_lib.sampling import SamplingParams
+
+    pool = ReplicaPool(2, EchoEngine, ("echo",), gpu_groups=[[3], [5]])
+    try:
+        pool.set_policy("/nowhere", 7)
+        pool.set_noise(0.25, 1, 2)
+        prompts = [[1] * (i + 1) for i in range(5)]
+        comps = pool.generate(prompts, [10, 11, 12, 13, 14], SamplingParams(1.0, 1.0, 4))
+        assert [c.token_ids for c in comps] == [[1, 10, 7, 3], [2, 11, 7, 3], [3, 12, 7, 3], [4, 13, 7, 5],
+                                                [5, 14, 7, 5]]
+        assert all(c.logprobs == [-0.25] * 4 for c in comps)
+        assert pool.generate(prompts[:1], [1], SamplingParams(1.0, 1.0, 4))[0].token_ids == [1, 1, 7, 3]
+        assert pool.stats_dict() == {"replicas": [{"tag": "echo", "gpus": "3"}, {"tag": "echo", "gpus": "5"}]}
+        with pytest.raises(RuntimeError, match="replica 1 \\(generate\\)[\\s\\S]*negative seed"):
+            pool.generate(prompts[:2], [0, -1], SamplingParams(1.0, 1.0, 4))
+        assert len(pool.generate(prompts[:2], [0, 1], SamplingParams(1.0, 1.0, 4))) == 2  # still serving
+    finally:
+        pool.close()
+
+
+def test_replica_pool_reports_an_engine_that_fails_to_start():
+    from qerl_lib.rollout_replicas import ReplicaPool
+
+    with pytest.raises(RuntimeError, match="replica 0 \\(start\\)"):
+        ReplicaPool(1, EchoEngine, ())  # missing argument: the factory raises in the replica
