@@ -139,6 +139,19 @@ def load_params(ws: Path):
     return load_config(ws / "params.yaml")
 
 
+@contextmanager
+def workspace_run(workspace: str, config: str | None, overrides: list[str] | None, settings: dict | None,
+                  log) -> Iterator[tuple[Path, Any]]:
+    """The preamble of every flow: the workspace resolved and locked for this flow run, its
+    params.yaml written from (config, overrides, settings); yields (workspace, resolved config)."""
+    from prefect.runtime import flow_run
+
+    ws = resolve_workspace(workspace)
+    with flow_lock(ws, f"Prefect flow run {flow_run.name!r} ({flow_run.id})"):
+        write_params(ws, config, overrides, settings, log)
+        yield ws, load_params(ws)
+
+
 def stage_list(cfg, ws: Path) -> list[str]:
     """DVC stage names in the order `qerl run` runs them (topological: `--single-item` runs
     no upstream stage, so the order carries the dependencies)."""

@@ -73,13 +73,8 @@ def convert(
         settings: nested dict of settings applied last.
         retries: retries of a stage that failed for a reason that may pass.
     """
-    from prefect.runtime import flow_run
-
     log = get_run_logger()
-    ws = common.resolve_workspace(workspace)
-    with common.flow_lock(ws, f"Prefect flow run {flow_run.name!r} ({flow_run.id})"):
-        common.write_params(ws, config, overrides, settings, log)
-        cfg = common.load_params(ws)
+    with common.workspace_run(workspace, config, overrides, settings, log) as (ws, cfg):
         common.check_stages(ws, ["convert"])
         records = common.run_stages(ws, ["convert"], log, retries, "qerl-convert-progress", f"convert {ws.name}",
                                     fast_skip=False)

@@ -56,16 +56,11 @@ def evaluate(
         steps: adapters k to evaluate (each must be in params.yaml's plan.evals).
         retries: retries of a stage that failed for a reason that may pass.
     """
-    from prefect.runtime import flow_run
-
     from qerl_lib.paths import Layout
     from qerl_lib.run import eval_steps
 
     log = get_run_logger()
-    ws = common.resolve_workspace(workspace)
-    with common.flow_lock(ws, f"Prefect flow run {flow_run.name!r} ({flow_run.id})"):
-        common.write_params(ws, config, overrides, settings, log)
-        cfg = common.load_params(ws)
+    with common.workspace_run(workspace, config, overrides, settings, log) as (ws, cfg):
         planned = eval_steps(cfg)
         layout = Layout(ws)
         if steps:

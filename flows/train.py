@@ -73,14 +73,9 @@ def train(
         settings: nested dict of settings applied last, e.g. {"rollout": {"group_size": 8}}.
         retries: retries of a stage that failed for a reason that may pass (never for bad input).
     """
-    from prefect.runtime import flow_run
-
     t_flow = common.now()
     log = get_run_logger()
-    ws = common.resolve_workspace(workspace)
-    with common.flow_lock(ws, f"Prefect flow run {flow_run.name!r} ({flow_run.id})"):
-        common.write_params(ws, config, overrides, settings, log)
-        cfg = common.load_params(ws)
+    with common.workspace_run(workspace, config, overrides, settings, log) as (ws, cfg):
         stages = common.stage_list(cfg, ws)
         common.check_stages(ws, stages)
         setup_s = common.now() - t_flow
