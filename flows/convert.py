@@ -73,6 +73,8 @@ def convert(
         settings: nested dict of settings applied last.
         retries: retries of a stage that failed for a reason that may pass.
     """
+    from prefect.runtime import flow_run
+
     log = get_run_logger()
     with common.workspace_run(workspace, config, overrides, settings, log) as (ws, cfg):
         common.check_stages(ws, ["convert"])

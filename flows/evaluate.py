@@ -56,6 +56,8 @@ def evaluate(
         steps: adapters k to evaluate (each must be in params.yaml's plan.evals).
         retries: retries of a stage that failed for a reason that may pass.
     """
+    from prefect.runtime import flow_run
+
     from qerl_lib.paths import Layout
     from qerl_lib.run import eval_steps
 

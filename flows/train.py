@@ -73,6 +73,8 @@ def train(
         settings: nested dict of settings applied last, e.g. {"rollout": {"group_size": 8}}.
         retries: retries of a stage that failed for a reason that may pass (never for bad input).
     """
+    from prefect.runtime import flow_run
+
     t_flow = common.now()
     log = get_run_logger()
     with common.workspace_run(workspace, config, overrides, settings, log) as (ws, cfg):
