@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -52,10 +51,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SHAPE = dict(hidden=3584, inter=18944, layers=28, heads=28, kv_heads=4, head_dim=128, vocab=152064)
+from benchmarks.decode_gemm_profile import GLOBAL_SCALE, SHAPE, copy_bandwidth, gemm_profile  # noqa: E402
+from qerl_lib.io import atomic_write_json  # noqa: E402
+
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 DEVICE = "cuda"
-GLOBAL_SCALE = 150.0  # compressed-tensors divisor: element = fp4 * block_scale / 150 (std ~0.02)
 STOCK_REFERENCE = {
     "source": "the issue: stock vLLM 0.26 on this H200, prompt 256 / decode 512 / CUDA graphs / LoRA r16",
     "bf16_lora_r16_tok_s": {"1": 157, "8": 1279, "64": 9191},
@@ -200,125 +200,6 @@ def write_adapter(out: Path, rank: int, seed: int) -> Path:
     return out
 
 
-# ----------------------------------------------------------------------------- bandwidth and GEMM profile
-
-
-def copy_bandwidth() -> dict:
-    import torch
-
-    n = 4 << 30
-    a = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    times = []
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(5):
-            b.copy_(a)
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / 5 / 1e3)
-    t = statistics.median(times)
-    del a, b
-    torch.cuda.empty_cache()
-    return {"bytes_per_s": round(2 * n / t), "tb_per_s": round(2 * n / t / 1e12, 3), "buffer_bytes": n,
-            "note": "device-to-device copy of 4 GiB, bytes read + written, median of 5 x 5 copies"}
-
-
-def gemm_profile(layers: list[dict], ms: list[int]) -> dict:
-    """Time of the decode GEMMs of all layers, per shape group and batch rows, Marlin NVFP4 vs cuBLAS BF16."""
-    import torch
-    import torch.nn.functional as F
-    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import (
-        apply_fp4_marlin_linear,
-        prepare_fp4_layer_for_marlin,
-    )
-
-    from qerl_lib.vllm_worker import dequantize_partitions
-
-    groups = {"qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "o": ["self_attn.o_proj"],
-              "gate_up": ["mlp.gate_proj", "mlp.up_proj"], "down": ["mlp.down_proj"]}
-    marlin, dense = {g: [] for g in groups}, {g: [] for g in groups}
-    for gpu in layers:
-        for g, mods in groups.items():
-            packed = torch.cat([gpu[m][0] for m in mods])
-            scale = torch.cat([gpu[m][1] for m in mods])
-            widths = [gpu[m][0].shape[0] for m in mods]
-            w = dequantize_partitions(packed, scale, torch.full((len(mods),), GLOBAL_SCALE, device="cuda"), widths)
-            layer = torch.nn.Module()
-            layer.weight = torch.nn.Parameter(packed, requires_grad=False)
-            layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
-            layer.weight_global_scale = torch.nn.Parameter(torch.tensor([1.0 / GLOBAL_SCALE], device="cuda"),
-                                                           requires_grad=False)
-            layer.output_size_per_partition, layer.input_size_per_partition = w.shape
-            layer.params_dtype = torch.bfloat16
-            prepare_fp4_layer_for_marlin(layer)
-            marlin[g].append(layer)
-            dense[g].append(w)
-
-    def run_marlin(layer, x):
-        return apply_fp4_marlin_linear(input=x, weight=layer.weight, weight_scale=layer.weight_scale,
-                                       weight_global_scale=layer.weight_global_scale, workspace=layer.workspace,
-                                       size_n=layer.output_size_per_partition, size_k=layer.input_size_per_partition)
-
-    # correctness of the two paths on the same weights
-    x = torch.randn(64, SHAPE["hidden"], device="cuda", dtype=torch.bfloat16)
-    a, b = run_marlin(marlin["qkv"][0], x).float(), F.linear(x, dense["qkv"][0]).float()
-    rel = float((a - b).norm() / b.norm())
-
-    lm_head = torch.randn(SHAPE["vocab"], SHAPE["hidden"], device="cuda", dtype=torch.bfloat16) * 0.02
-
-    def timed(fn, reps=10) -> float:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        del graph
-        return start.elapsed_time(end) / reps
-
-    table = []
-    for m in ms:
-        xh = torch.randn(m, SHAPE["hidden"], device="cuda", dtype=torch.bfloat16)
-        xi = torch.randn(m, SHAPE["inter"], device="cuda", dtype=torch.bfloat16)
-        row = {"rows": m, "marlin_ms": {}, "cublas_ms": {}}
-        for g in groups:
-            xin = xi if g == "down" else xh
-            row["marlin_ms"][g] = round(timed(lambda: [run_marlin(l, xin) for l in marlin[g]]), 4)
-            row["cublas_ms"][g] = round(timed(lambda: [F.linear(xin, w) for w in dense[g]]), 4)
-        row["lm_head_ms"] = round(timed(lambda: F.linear(xh, lm_head)), 4)
-        row["marlin_total_ms"] = round(sum(row["marlin_ms"].values()), 4)
-        row["cublas_total_ms"] = round(sum(row["cublas_ms"].values()), 4)
-        table.append(row)
-        print(f"  gemm rows {m:4d}: marlin {row['marlin_total_ms']:7.3f} ms  cublas {row['cublas_total_ms']:7.3f} ms"
-              f"  lm_head {row['lm_head_ms']:.3f} ms", flush=True)
-        torch.cuda.empty_cache()
-    crossover = None
-    for row in table:
-        if row["marlin_total_ms"] <= row["cublas_total_ms"]:
-            crossover = row["rows"]
-        else:
-            break
-    del marlin, dense, lm_head
-    torch.cuda.empty_cache()
-    return {"table": table, "marlin_vs_dense_rel_diff_rows64": rel,
-            "largest_rows_marlin_wins": crossover,
-            "note": "per decode step: all 28 layers of each group, CUDA-graph replay, median-free mean of 10"}
-
-
 # ----------------------------------------------------------------------------- one engine (child process)
 
 
@@ -458,12 +339,6 @@ def print_table(summary: dict) -> None:
               f"{r.get('weight_read_bound_tok_s', float('nan')):9.1f} {r.get('share_of_weight_bound', float('nan')):6.3f}")
 
 
-def atomic_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    tmp.replace(path)
-
-
 def driver(args) -> None:
     import torch
 
@@ -517,7 +392,7 @@ def driver(args) -> None:
     if dense_above is None:
         dense_above = (res.get("gemm_profile") or {}).get("largest_rows_marlin_wins") or 32
     res["dense_above"] = dense_above
-    atomic_json(out, res)
+    atomic_write_json(out, res)
     specs = args.engines.split(",")
     for n, spec in enumerate(specs):
         left = deadline - time.time()
@@ -545,9 +420,9 @@ def driver(args) -> None:
             res["errors"][spec] = f"exit {rc}"
         res["summary"] = summarize(res)
         res["seconds"] = round(time.time() - t_start, 1)
-        atomic_json(out, res)
+        atomic_write_json(out, res)
     res["summary"] = summarize(res)
-    atomic_json(out, res)
+    atomic_write_json(out, res)
     print_table(res["summary"])
 
 
@@ -566,7 +441,7 @@ def merge(paths: list[str], out: str) -> None:
             if key in r and key not in res:
                 res[key] = r[key]
     res["summary"] = summarize(res)
-    atomic_json(Path(out), res)
+    atomic_write_json(Path(out), res)
     print_table(res["summary"])
 
 

@@ -171,8 +171,6 @@ def write_noise(targets: list[tuple[str, nn.Module]], clean: dict[str, torch.Ten
         w.copy_((clean[key].float() + z).to(w.dtype))
 
 
-
-
 class NoiseInjector:
     """Writes clean + noise into the AQN targets of one model, in place, and restores them exactly.
 
