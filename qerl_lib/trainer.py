@@ -13,12 +13,16 @@ reported (`mismatch_kl`) and corrected by truncated importance sampling (`tis_ca
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 from dataclasses import dataclass
 
 import torch
 
 from qerl_lib.config import QerlConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -75,6 +79,24 @@ def policy_logprobs(model, batch: Batch, temperature: float, with_entropy: bool)
     return logp, entropy
 
 
+def training_attention(device: torch.device):
+    """Context for the training forward AND backward: SDPA may not pick cuDNN on CUDA.
+
+    torch 2.11's cuDNN SDPA backward (the default backend on H100/H200) returns NaN grad_q when a
+    mask tensor is passed, the sequence length is 64 mod 128 and some query row's logsumexp is below
+    -88.7 (pytorch/pytorch#196678). Every left-padded prompt position is such a row (it attends to
+    nothing: logsumexp -inf), so a micro-batch of width P + Tc = 64, 192, ... turned the LoRA
+    gradients NaN; on the H200 all three issue-6 arms lost their adapter at update 2 this way.
+    The memory-efficient kernel is exact on the same inputs. The context must also cover backward:
+    gradient checkpointing re-runs the forward there.
+    """
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 def _chunks(n: int, parts: int) -> list[range]:
     size = math.ceil(n / parts)
     return [range(s, min(s + size, n)) for s in range(0, n, size)]
@@ -107,44 +129,57 @@ def train_on_rollouts(policy, optimizer, scheduler, rows: list[dict], cfg: QerlC
     micro = [[b for b in (build_batch(m[i:i + mbs], pad, policy.device) for i in range(0, len(m), mbs))]
              for m in minis]
 
-    old_logps: dict[tuple[int, int], torch.Tensor] = {}
-    if len(minis) > 1:
-        # Later mini-batches step a policy that has already moved: freeze the behaviour logprobs first.
-        with torch.no_grad():
-            for a, batches in enumerate(micro):
-                for b_i, b in shard(batches, ctx):
-                    old_logps[a, b_i] = policy_logprobs(model, b, temperature, False)[0]
+    # The whole update (forward, backward, checkpoint recomputation) runs under one SDPA choice.
+    with training_attention(policy.device):
+        old_logps: dict[tuple[int, int], torch.Tensor] = {}
+        if len(minis) > 1:
+            # Later mini-batches step a policy that has already moved: freeze the behaviour logprobs first.
+            with torch.no_grad():
+                for a, batches in enumerate(micro):
+                    for b_i, b in shard(batches, ctx):
+                        old_logps[a, b_i] = policy_logprobs(model, b, temperature, False)[0]
 
-    totals: dict[str, float] = {}
-    entropy_sum = mismatch_sum = tokens_total = 0.0
-    grad_norms, lrs, losses = [], [], []
-    model.train()
-    for a, batches in enumerate(micro):
-        norm = LossNorm.from_masks([b.mask for b in batches], max_len=cfg.rollout.max_new_tokens)
-        optimizer.zero_grad(set_to_none=True)
-        loss_total = 0.0
-        for b_i, b in shard(batches, ctx):
-            logp, entropy = policy_logprobs(model, b, temperature, True)
-            old = old_logps.get((a, b_i), logp.detach())
-            ref = None
-            if use_ref:
-                with torch.no_grad(), model.disable_adapter():
-                    ref = policy_logprobs(model, b, temperature, False)[0]
-            loss, stats = loss_fn(logp, old, b.rollout_logp, b.advantages, b.mask, ref, cfg.algo, norm)
-            loss.backward()
-            loss_total += float(loss.detach())
-            add_stats(totals, stats)
-            m = b.mask
-            tokens_total += float(m.sum())
-            entropy_sum += float((entropy * m).sum())
-            # k1 estimate of KL(rollout engine || trainer) on the sampled tokens: the engine mismatch.
-            mismatch_sum += float(((b.rollout_logp - old) * m).sum())
-        all_reduce_grads(params, ctx)
-        grad_norms.append(clip_grad_norm(params, cfg.optim.grad_clip))
-        lrs.append(optimizer.param_groups[0]["lr"])
-        losses.append(loss_total)
-        optimizer.step()
-        scheduler.step()
+        totals: dict[str, float] = {}
+        entropy_sum = mismatch_sum = tokens_total = 0.0
+        grad_norms, lrs, losses = [], [], []
+        skipped = 0
+        model.train()
+        for a, batches in enumerate(micro):
+            norm = LossNorm.from_masks([b.mask for b in batches], max_len=cfg.rollout.max_new_tokens)
+            optimizer.zero_grad(set_to_none=True)
+            loss_total = 0.0
+            for b_i, b in shard(batches, ctx):
+                logp, entropy = policy_logprobs(model, b, temperature, True)
+                old = old_logps.get((a, b_i), logp.detach())
+                ref = None
+                if use_ref:
+                    with torch.no_grad(), model.disable_adapter():
+                        ref = policy_logprobs(model, b, temperature, False)[0]
+                loss, stats = loss_fn(logp, old, b.rollout_logp, b.advantages, b.mask, ref, cfg.algo, norm)
+                loss.backward()
+                loss_total += float(loss.detach())
+                add_stats(totals, stats)
+                m = b.mask
+                tokens_total += float(m.sum())
+                entropy_sum += float((entropy * m).sum())
+                # k1 estimate of KL(rollout engine || trainer) on the sampled tokens: the engine mismatch.
+                mismatch_sum += float(((b.rollout_logp - old) * m).sum())
+            all_reduce_grads(params, ctx)
+            gnorm = clip_grad_norm(params, cfg.optim.grad_clip)
+            lrs.append(optimizer.param_groups[0]["lr"])
+            losses.append(loss_total)
+            if math.isfinite(gnorm):
+                grad_norms.append(gnorm)
+                optimizer.step()
+            else:
+                # A NaN/inf gradient would poison the adapter and every later rollout; skip the step as
+                # verl does, keep the schedule moving, and say which parameters carried it.
+                bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+                log.warning("update skipped: gradient norm %s in mini-batch %d; non-finite grads in %d tensors (%s)",
+                            gnorm, a, len(bad), ", ".join(bad[:3]))
+                skipped += 1
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
     model.eval()
     sums = all_reduce_sums({"loss": sum(losses), "entropy": entropy_sum, "mismatch": mismatch_sum,
                             "tokens": tokens_total, **{f"stat.{k}": v for k, v in totals.items()}}, ctx)
@@ -158,9 +193,10 @@ def train_on_rollouts(policy, optimizer, scheduler, rows: list[dict], cfg: QerlC
         "entropy": entropy_sum / denom,
         "kl": out.get("kl", 0.0),
         "mismatch_kl": mismatch_sum / denom,
-        "grad_norm": sum(grad_norms) / n_mini,
+        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+        "skipped_updates": skipped,
         "lr": lrs[0],
         "tokens": int(tokens_total),
-        "optimizer_steps": n_mini,
+        "optimizer_steps": n_mini - skipped,
     })
     return out

@@ -9,6 +9,7 @@ so each conversion runs once per test session (about a second each on two CPU co
 from __future__ import annotations
 
 import os
+import shutil
 import string
 
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")  # as qerl_lib sets it; before torch loads MKL
@@ -358,3 +359,42 @@ def stages_run(dvc_output: str) -> list[str]:
     import re
 
     return re.findall(r"Running stage '([^']+)'", dvc_output)
+
+
+@pytest.fixture(scope="session")
+def scored_workspace(tiny_llama_dir, tmp_path_factory):
+    """Step 0 rolled out and scored on the tiny Llama, with hand-set advantages on every row."""
+    from qerl_lib.config import load_config
+    from qerl_lib.paths import Layout
+    from qerl_lib.schema import read_metadata, read_rollouts, to_table, write_rollouts
+    from qerl_lib.stages import convert_stage, init_adapter_stage, prepare_stage, reward_stage, rollout_stage
+
+    root = tmp_path_factory.mktemp("dist")
+    cfg = load_config(None, {
+        "run": {"root": str(root), "steps": 2},
+        "model": {"base": str(tiny_llama_dir)},
+        "data": {"synthetic_train": 16, "synthetic_test": 4},
+        "rollout": {"prompts_per_step": 3, "group_size": 4, "max_new_tokens": 8, "batch_size": 12},
+        "optim": {"lr": 1e-2, "micro_batch_size": 2},
+        "algo": {"mini_batches": 2},
+    })
+    layout = Layout(root)
+    prepare_stage(cfg, layout)
+    convert_stage(cfg, layout)
+    init_adapter_stage(cfg, layout)
+    rollout_stage(cfg, layout, 0)
+    reward_stage(cfg, layout, 0)
+    rows = read_rollouts(layout.scored(0), scored=True).to_pylist()
+    for i, r in enumerate(rows):  # 12 rows -> 2 mini-batches of 3 micro-batches: uneven over 2 ranks
+        r["advantage"], r["kept"] = (1.0 if i % 3 == 0 else -0.5), True
+    write_rollouts(to_table(rows), layout.scored(0), read_metadata(layout.scored(0)), scored=True)
+    return cfg, layout
+
+
+def copy_workspace(layout, dest):
+    """A copy of a workspace's inputs to the update stage (models, adapters, rewards, data) under `dest`."""
+    from qerl_lib.paths import Layout
+
+    for sub in ("models", "adapters", "rewards", "data"):
+        shutil.copytree(layout.root / sub, dest / sub)
+    return Layout(dest)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 from qerl_lib.config import ParallelConfig, load_config
 from qerl_lib.distributed import DistContext, check_tensor_parallel, placement, shard
 from qerl_lib.paths import Layout
+from conftest import copy_workspace
 
 QWEN7B = {"num_attention_heads": 28, "num_key_value_heads": 4}
 QWEN72B = {"num_attention_heads": 64, "num_key_value_heads": 8}
@@ -64,40 +63,6 @@ def test_shard_gives_every_item_to_exactly_one_rank():
     assert shard(items, None) == list(enumerate(items))
 
 
-@pytest.fixture(scope="module")
-def scored_workspace(tiny_llama_dir, tmp_path_factory):
-    """Step 0 rolled out and scored on the tiny Llama, with hand-set advantages on every row."""
-    from qerl_lib.schema import read_metadata, read_rollouts, to_table, write_rollouts
-    from qerl_lib.stages import convert_stage, init_adapter_stage, prepare_stage, reward_stage, rollout_stage
-
-    root = tmp_path_factory.mktemp("dist")
-    cfg = load_config(None, {
-        "run": {"root": str(root), "steps": 2},
-        "model": {"base": str(tiny_llama_dir)},
-        "data": {"synthetic_train": 16, "synthetic_test": 4},
-        "rollout": {"prompts_per_step": 3, "group_size": 4, "max_new_tokens": 8, "batch_size": 12},
-        "optim": {"lr": 1e-2, "micro_batch_size": 2},
-        "algo": {"mini_batches": 2},
-    })
-    layout = Layout(root)
-    prepare_stage(cfg, layout)
-    convert_stage(cfg, layout)
-    init_adapter_stage(cfg, layout)
-    rollout_stage(cfg, layout, 0)
-    reward_stage(cfg, layout, 0)
-    rows = read_rollouts(layout.scored(0), scored=True).to_pylist()
-    for i, r in enumerate(rows):  # 12 rows -> 2 mini-batches of 3 micro-batches: uneven over 2 ranks
-        r["advantage"], r["kept"] = (1.0 if i % 3 == 0 else -0.5), True
-    write_rollouts(to_table(rows), layout.scored(0), read_metadata(layout.scored(0)), scored=True)
-    return cfg, layout
-
-
-def _copy(layout: Layout, dest) -> Layout:
-    for sub in ("models", "adapters", "rewards", "data"):
-        shutil.copytree(layout.root / sub, dest / sub)
-    return Layout(dest)
-
-
 def test_two_rank_update_equals_the_one_process_update(scored_workspace, tmp_path):
     from safetensors.torch import load_file
 
@@ -106,7 +71,7 @@ def test_two_rank_update_equals_the_one_process_update(scored_workspace, tmp_pat
     cfg, layout = scored_workspace
     out = {}
     for world in (1, 2):
-        work = _copy(layout, tmp_path / f"w{world}")
+        work = copy_workspace(layout, tmp_path / f"w{world}")
         c = cfg.model_copy(deep=True)
         c.run.root = str(work.root)
         c.parallel.train_world_size = world
