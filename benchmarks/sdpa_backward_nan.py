@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import json
 import statistics
+import sys
 
 
 def run(widths: list[int], batch: int = 16, heads: int = 9, head_dim: int = 64, pad: int = 5) -> dict:
@@ -68,7 +69,7 @@ def main() -> None:
     ap.add_argument("--widths", type=int, nargs="+", default=[63, 64, 65, 96, 128, 192, 256, 320])
     ap.add_argument("--out", default=None, help="JSON results file")
     args = ap.parse_args()
-    res = run(args.widths)
+    res = {"command": "python " + " ".join(sys.argv), **run(args.widths)}
     if args.out:
         from qerl_lib.io import atomic_write_json
 
