@@ -7,10 +7,13 @@ Three modes, each writing one JSON file (with the exact command, device and vers
   (prompt 256 + completion 2048), for each micro-batch in `--micro-batches`, for the arms
     nvfp4-triton  packed NVFP4 base, fused Triton dequantize-and-multiply kernels
     nvfp4-torch   the same packed base, plain PyTorch dequantization per call
+    nvfp4-auto    the layer's own choice: the kernels up to `DENSE_ABOVE_ROWS` rows per call, plain above
     bf16          a BF16 base (nn.Linear)
     nf4           bitsandbytes NF4 + double quant (QLoRA), when bitsandbytes imports
-  The step is the trainer's own: `qerl_lib.trainer.policy_logprobs` (logits_to_keep =
-  completion + 1, float32 log-softmax gather) and a token-mean loss, backward with
+  An arm name with `:full` (e.g. `bf16:full`) measures the same with the log-probs taken from
+  the full [B, T, V] logits instead of chunk by chunk (`qerl_lib.head_logprobs`), side by side.
+  The step is the trainer's own: `qerl_lib.trainer.policy_logprobs` under
+  `training_attention`, and a token-mean loss, backward with
   non-reentrant gradient checkpointing (`--no-grad-ckpt` turns it off). Median of
   `--repeats` timed steps (CUDA events) after `--warmup` steps (the first one autotunes the
   kernels); peak = torch.cuda.max_memory_allocated over the timed steps, weights included.
@@ -216,9 +219,12 @@ def set_backend(name: str):
 
     if name == "torch":
         nl.register_matmul_backend("cuda", nl.TORCH_BACKEND)
-    else:
-        from qerl_lib.kernels.nvfp4_triton import make_backend
+        return
+    from qerl_lib.kernels.nvfp4_triton import make_backend
 
+    if name == "auto":  # what NVFP4Linear picks on its own: kernels up to DENSE_ABOVE_ROWS rows, plain above
+        nl.register_matmul_backend("cuda", nl.split_by_rows(make_backend(), nl.TORCH_BACKEND, nl.DENSE_ABOVE_ROWS))
+    else:
         nl.register_matmul_backend("cuda", make_backend())
 
 
@@ -228,13 +234,29 @@ def set_backend(name: str):
 
 
 def logprob_step(model, batch) -> float:
-    """One logprob forward + backward (token-mean of -logp over the completion)."""
-    from qerl_lib.trainer import policy_logprobs
+    """One logprob forward + backward (token-mean of -logp over the completion), under the
+    trainer's attention-backend choice (`qerl_lib.trainer.training_attention`)."""
+    from qerl_lib.trainer import policy_logprobs, training_attention
 
-    logp, _ = policy_logprobs(model, batch, 1.0, False)
-    loss = -(logp * batch.mask).sum() / batch.mask.sum()
-    loss.backward()
+    with training_attention(batch.input_ids.device):
+        logp, _ = policy_logprobs(model, batch, 1.0, False)
+        loss = -(logp * batch.mask).sum() / batch.mask.sum()
+        loss.backward()
     return float(loss.detach())
+
+
+def arm_parts(arm: str) -> tuple[str, str | None, str]:
+    """'nvfp4-triton:full' -> ('nvfp4', 'triton', 'full'); 'bf16' -> ('bf16', None, 'chunked')."""
+    name, _, logits = arm.partition(":")
+    quant, _, backend = name.partition("-")
+    return quant, backend or None, logits or "chunked"
+
+
+def set_logprobs(mode: str):
+    """'chunked': `qerl_lib.head_logprobs` (the trainer's default); 'full': the [B, T, V] logits."""
+    import os
+
+    os.environ["QERL_LOGPROBS"] = mode
 
 
 def time_steps(model, batch, warmup: int, repeats: int) -> dict:
@@ -269,14 +291,15 @@ def mode_step(args, device) -> dict:
         "prompt": args.prompt, "completion": args.completion, "micro_batches": args.micro_batches,
         "lora": "r16 alpha32 q,k,v,o,gate,up,down (float32 adapters, PEFT)", "gradient_checkpointing": args.grad_ckpt,
         "attention": "sdpa", "activations": "bf16", "warmup": args.warmup, "repeats": args.repeats,
-        "step": "qerl_lib.trainer.policy_logprobs (logits_to_keep = completion + 1) + token-mean loss + backward"}}
+        "step": "qerl_lib.trainer.policy_logprobs + token-mean loss + backward, under training_attention; "
+                "arms without ':full' take the log-probs chunk by chunk from the hidden states "
+                "(qerl_lib.head_logprobs), ':full' arms from the full logits (logits_to_keep = completion + 1)"}}
     arms = list(args.arms)
     groups = []  # (quant, [arms sharing that model])
-    if any(a.startswith("nvfp4") for a in arms):
-        groups.append(("nvfp4", [a for a in arms if a.startswith("nvfp4")]))
-    for q in ("bf16", "nf4"):
-        if q in arms:
-            groups.append((q, [q]))
+    for q in ("nvfp4", "bf16", "nf4"):
+        group = [a for a in arms if arm_parts(a)[0] == q]
+        if group:
+            groups.append((q, group))
     for quant, group in groups:
         free_gpu()
         before = torch.cuda.memory_allocated()
@@ -291,8 +314,10 @@ def mode_step(args, device) -> dict:
         built = {"build_s": round(time.time() - t0, 1), "base_weight_bytes": base_weight_bytes(model),
                  "lora_bytes": lora_bytes(model), "allocated_after_build": torch.cuda.memory_allocated() - before}
         for arm in group:
-            if arm.startswith("nvfp4"):
-                set_backend(arm.split("-", 1)[1])
+            _, backend, logits = arm_parts(arm)
+            if backend is not None:
+                set_backend(backend)
+            set_logprobs(logits)
             res = dict(built, micro_batch={})
             for mb in args.micro_batches:
                 batch = make_batch(mb, args.prompt, args.completion, cfg.vocab_size, device)
@@ -316,13 +341,19 @@ def mode_step(args, device) -> dict:
             r = res.get("micro_batch", {}).get(mb, {})
             if "ms_median" in r:
                 row[arm] = {"ms": round(r["ms_median"], 1), "peak_gib": r["peak_gib"]}
-        bf = row.get("bf16")
         for arm, r in row.items():
+            logits = arm_parts(arm)[2]
+            bf = row.get("bf16" if logits == "chunked" else "bf16:full")  # against BF16 on the same log-prob path
             if bf:
                 r["time_vs_bf16"] = round(r["ms"] / bf["ms"], 3)
                 r["peak_vs_bf16"] = round(r["peak_gib"] / bf["peak_gib"], 3)
-            if "nvfp4-torch" in row and arm == "nvfp4-triton":
-                r["speedup_vs_torch_dequant"] = round(row["nvfp4-torch"]["ms"] / r["ms"], 3)
+            torch_arm = "nvfp4-torch" + ("" if logits == "chunked" else ":full")
+            if arm.startswith("nvfp4-triton") and torch_arm in row:
+                r["speedup_vs_torch_dequant"] = round(row[torch_arm]["ms"] / r["ms"], 3)
+            full = row.get(arm + ":full")
+            if full:
+                r["peak_vs_full_logits"] = round(r["peak_gib"] / full["peak_gib"], 3)
+                r["time_vs_full_logits"] = round(r["ms"] / full["ms"], 3)
         summary[mb] = row
     out["summary"] = summary
     try:
@@ -343,7 +374,7 @@ def mode_grpo32b(args, device) -> dict:
     from qerl_lib.config import AlgoConfig, OptimConfig
     from qerl_lib.losses import LOSSES, LossNorm
     from qerl_lib.optim import build_optimizer, clip_grad_norm
-    from qerl_lib.trainer import policy_logprobs
+    from qerl_lib.trainer import policy_logprobs, training_attention
 
     shape = args.shape if args.shape != "7b" else "32b"
     cfg = qwen_config(shape, args.layers)
@@ -369,12 +400,14 @@ def mode_grpo32b(args, device) -> dict:
         torch.cuda.reset_peak_memory_stats()
         t = time.time()
         optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad(), model.disable_adapter():  # the trainer's KL metric (reference = adapter off)
-            ref = policy_logprobs(model, batch, 1.0, False)[0]
-        peak_ref = torch.cuda.max_memory_allocated()
-        logp, entropy = policy_logprobs(model, batch, 1.0, True)
-        loss, _ = LOSSES[algo.loss](logp, logp.detach(), batch.rollout_logp, batch.advantages, batch.mask, ref, algo, norm)
-        loss.backward()
+        with training_attention(device):
+            with torch.no_grad(), model.disable_adapter():  # the trainer's KL metric (reference = adapter off)
+                ref = policy_logprobs(model, batch, 1.0, False)[0]
+            peak_ref = torch.cuda.max_memory_allocated()
+            logp, entropy = policy_logprobs(model, batch, 1.0, True)
+            loss, _ = LOSSES[algo.loss](logp, logp.detach(), batch.rollout_logp, batch.advantages, batch.mask, ref,
+                                        algo, norm)
+            loss.backward()
         peak_bwd = torch.cuda.max_memory_allocated()
         grad_norm = clip_grad_norm(params, optim_cfg.grad_clip)
         optimizer.step()
@@ -512,7 +545,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--completion", type=int, default=2048)
     ap.add_argument("--arms", nargs="+", default=["nvfp4-triton", "nvfp4-torch", "bf16", "nf4"],
-                    choices=["nvfp4-triton", "nvfp4-torch", "bf16", "nf4"])
+                    choices=[a + s for a in ("nvfp4-triton", "nvfp4-torch", "nvfp4-auto", "bf16", "nf4") for s in ("", ":full")],
+                    help="step: ARM[:full]; ':full' computes the log-probs from the full logits (the old path)")
     ap.add_argument("--no-grad-ckpt", dest="grad_ckpt", action="store_false")
     ap.add_argument("--sweep", action="store_true", help="linears: also time every prefill configuration")
     ap.add_argument("--warmup", type=int, default=1)

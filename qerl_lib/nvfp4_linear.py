@@ -12,9 +12,11 @@ pure-PyTorch backend here dequantizes with `qerl_lib.nvfp4.dequantize_nvfp4` and
 `torch.nn.functional.linear`, so results are bit-identical to an `nn.Linear` holding the
 dequantized weight. On CUDA the first NVFP4 matmul registers the fused Triton kernels of
 `qerl_lib.kernels.nvfp4_triton` (dequantize-and-multiply per tile, no 16-bit W in global
-memory; docs/kernels.md) when Triton imports and the GPU has bf16 tensor cores (sm_80+);
+memory; docs/kernels.md) when Triton imports and the GPU has bf16 tensor cores (sm_80+), for
+calls of up to `DENSE_ABOVE_ROWS` rows; larger calls dequantize W once per call (see there);
 the choice is logged once per device type. `QERL_NVFP4_BACKEND=torch` keeps the pure-PyTorch
-path on CUDA too; an explicit `register_matmul_backend` call always wins. The CPU keeps
+path on CUDA at every size, `QERL_NVFP4_BACKEND=triton` the kernels at every size; an explicit
+`register_matmul_backend` call always wins. The CPU keeps
 the pure-PyTorch path.
 
 Loaders:
@@ -83,6 +85,29 @@ def torch_matmul_grad_input(
 
 
 TORCH_BACKEND = MatmulBackend("torch", torch_matmul_forward, torch_matmul_grad_input)
+
+DENSE_ABOVE_ROWS = 6144
+"""Rows (tokens) per call above which CUDA dequantizes W once per call instead of per tile.
+
+The fused kernels dequantize each W tile once per 256-row tile of x, so their cost grows with M;
+the plain path pays one dequantization per call (a transient 16-bit W of one linear, at most
+136 MB for Qwen2.5-7B's gate/up) and then runs cuBLAS. Measured on the H200 for one Qwen2.5-7B
+layer's seven linears, forward + input gradient: fused 11.11 / 43.36 ms, plain 12.22 / 30.83 ms at
+4608 / 18432 tokens (`benchmarks/results/train_step_linears.json`); the lines cross near 5700."""
+
+
+def split_by_rows(small: MatmulBackend, large: MatmulBackend, above: int) -> MatmulBackend:
+    """`small` for calls of at most `above` rows, `large` above (decided per call, forward and
+    backward alike, by the rows of x or grad_y)."""
+
+    def forward(x, packed, scale, global_scale, bias):
+        return (large if x.shape[0] > above else small).forward(x, packed, scale, global_scale, bias)
+
+    def grad_input(grad_y, packed, scale, global_scale):
+        return (large if grad_y.shape[0] > above else small).grad_input(grad_y, packed, scale, global_scale)
+
+    return MatmulBackend(f"{small.name}<={above}<{large.name}", forward, grad_input)
+
 _BACKENDS: dict[str, MatmulBackend] = {}
 _CHOSEN: set[str] = set()  # device types whose backend is settled (automatically or explicitly)
 
@@ -105,7 +130,8 @@ def _choose_backend(device: torch.device) -> None:
     if device.type != "cuda":
         log.info("NVFP4 matmul on %s: pure-PyTorch dequantize + matmul", device.type)
         return
-    if os.environ.get("QERL_NVFP4_BACKEND", "").strip().lower() == "torch":
+    choice = os.environ.get("QERL_NVFP4_BACKEND", "").strip().lower()
+    if choice == "torch":
         log.info("NVFP4 matmul on cuda: pure-PyTorch dequantize + matmul (QERL_NVFP4_BACKEND=torch)")
         return
     try:
@@ -118,8 +144,14 @@ def _choose_backend(device: torch.device) -> None:
         log.warning("NVFP4 matmul on cuda: pure-PyTorch dequantize + matmul (Triton kernels unavailable: %s: %s)",
                     type(e).__name__, e)
         return
-    _BACKENDS["cuda"] = backend
-    log.info("NVFP4 matmul on cuda: fused Triton dequantize-and-multiply kernels (qerl_lib.kernels.nvfp4_triton)")
+    if choice == "triton":
+        _BACKENDS["cuda"] = backend
+        log.info("NVFP4 matmul on cuda: fused Triton dequantize-and-multiply kernels at every size "
+                 "(QERL_NVFP4_BACKEND=triton)")
+        return
+    _BACKENDS["cuda"] = split_by_rows(backend, TORCH_BACKEND, DENSE_ABOVE_ROWS)
+    log.info("NVFP4 matmul on cuda: fused Triton dequantize-and-multiply kernels up to %d rows per call, "
+             "dequantize once + cuBLAS above (qerl_lib.kernels.nvfp4_triton)", DENSE_ABOVE_ROWS)
 
 
 def get_matmul_backend(device: torch.device | str) -> MatmulBackend:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -62,18 +63,53 @@ def build_batch(rows: list[dict], pad_id: int, device: torch.device) -> Batch:
                  rlp.to(device), adv.to(device))
 
 
+# Model types whose logits are exactly lm_head(final hidden state): no soft-capping, logit scale or
+# other post-processing that the chunked head would skip.
+PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+
+
+def split_head(model):
+    """(decoder, lm_head) of a (PEFT-wrapped) causal LM whose logits are plain `lm_head(h)`, else None.
+
+    `QERL_LOGPROBS=full` forces None (the full-logits path), for side-by-side benchmarks.
+    """
+    if os.environ.get("QERL_LOGPROBS", "chunked") == "full":
+        return None
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(base.config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
+        return None
+    head = base.get_output_embeddings()
+    if type(head) is not torch.nn.Linear:  # a LoRA- or quantization-wrapped head keeps the full path
+        return None
+    return base.get_decoder(), head
+
+
 def policy_logprobs(model, batch: Batch, temperature: float, with_entropy: bool):
-    """-> (logp [B, Tc], entropy [B, Tc] or None) of the completion tokens under softmax(logits / T)."""
+    """-> (logp [B, Tc], entropy [B, Tc] or None) of the completion tokens under softmax(logits / T).
+
+    Plain heads (`split_head`) go through `qerl_lib.head_logprobs`, which never holds the [B, Tc, V]
+    logits; other models compute the logits of the Tc + 1 last positions and take the log-softmax.
+    """
     from qerl_lib.losses import gather_logprobs, token_entropy
 
     Tc = batch.tokens.shape[1]
+    t = temperature if temperature > 0 else 1.0
+    parts = split_head(model)
+    if parts is not None:
+        from qerl_lib.head_logprobs import head_logprobs
+
+        decoder, head = parts
+        out = decoder(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                      position_ids=batch.position_ids, use_cache=False)
+        hidden = out.last_hidden_state[:, -(Tc + 1):-1, :]  # [B, Tc, H]: position P-1+t predicts token t
+        return head_logprobs(hidden, head.weight, batch.tokens, t, head.bias, with_entropy)
     out = model(
         input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
         use_cache=False, logits_to_keep=Tc + 1,
     )
     logits = out.logits[:, :-1, :].float()  # [B, Tc, V]: column P-1+t predicts completion token t
-    if temperature > 0:
-        logits = logits / temperature
+    if t != 1.0:
+        logits = logits / t
     logp = gather_logprobs(logits, batch.tokens, 1.0)
     entropy = token_entropy(logits.detach()) if with_entropy else None
     return logp, entropy

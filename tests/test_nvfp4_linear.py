@@ -66,6 +66,33 @@ def test_backward_gives_input_grad_and_saves_no_dense_weight():
     assert all(not b.requires_grad for b in layer.buffers())
 
 
+def test_split_by_rows_routes_each_call_by_its_rows():
+    from qerl_lib.nvfp4_linear import split_by_rows
+
+    calls = []
+
+    def counting(name):
+        def forward(x, packed, scale, gscale, bias):
+            calls.append((name, "forward", x.shape[0]))
+            return TORCH_BACKEND.forward(x, packed, scale, gscale, bias)
+
+        def grad_input(gy, packed, scale, gscale):
+            calls.append((name, "grad_input", gy.shape[0]))
+            return TORCH_BACKEND.grad_input(gy, packed, scale, gscale)
+
+        return MatmulBackend(name, forward, grad_input)
+
+    layer, _ = _layer()
+    register_matmul_backend("cpu", split_by_rows(counting("small"), counting("large"), above=4))
+    try:
+        for rows in (4, 5):
+            layer(torch.randn(rows, 64, requires_grad=True)).sum().backward()
+    finally:
+        register_matmul_backend("cpu", None)
+    assert calls == [("small", "forward", 4), ("small", "grad_input", 4),
+                     ("large", "forward", 5), ("large", "grad_input", 5)]
+
+
 def test_matmul_backend_is_pluggable():
     calls = []
 
