@@ -1,8 +1,9 @@
 """One RL update: scored rollouts of step i + adapter i -> adapter i+1.
 
 Sequences are laid out as the rollout engine saw them: prompts left-padded to a common
-width P, completions right-padded to Tc, so the logits at columns P-1 .. P+Tc-2 predict
-the completion tokens of every row and `logits_to_keep` skips the prompt's logits.
+width P, completions right-padded to Tc, so the hidden states at columns P-1 .. P+Tc-2 predict
+the completion tokens of every row; only those go through the head, chunk by chunk
+(`qerl_lib.head_logprobs`), so the [B, Tc, V] logits never exist at once.
 
 The importance ratio uses `old_logp`: with one mini-batch per step the parameters at
 the backward pass are the ones that "sampled", so old_logp = logp.detach() (ratio 1,
