@@ -64,9 +64,11 @@ class ModelConfig(_Section):
     package), a local HF directory, a `.gguf` file path, or a hub id."""
     gguf_file: str | None = None
     """File name inside `base` when `base` is a directory or hub repo holding a GGUF file."""
-    quant: Literal["nvfp4", "bf16"] = "nvfp4"
-    """Base weight format: `nvfp4` (NVFP4A16 via llm-compressor, packed 4-bit in training)
-    or `bf16` (16-bit LoRA baseline)."""
+    quant: Literal["nvfp4", "bf16", "nf4"] = "nvfp4"
+    """Base weight format: `nvfp4` (NVFP4A16 via llm-compressor, packed 4-bit in training),
+    `bf16` (16-bit LoRA baseline) or `nf4` (QLoRA's baseline: the 16-bit checkpoint quantized
+    to bitsandbytes NF4 with double quantization when loaded; needs the `nf4` extra, and the
+    transformers rollout backend)."""
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype of activations and dequantized weights; `auto` is float32 on CPU (these CPUs
     have no fast bf16) and bfloat16 on CUDA."""
@@ -328,6 +330,9 @@ class QerlConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> "QerlConfig":
+        if self.rollout.backend == "vllm" and self.model.quant == "nf4":
+            raise ValueError("model.quant=nf4 runs with rollout.backend=transformers only (the vLLM engine "
+                             "serves the NVFP4 and BF16 checkpoints)")
         if self.rollout.backend == "vllm" and self.lora.r > self.rollout.vllm_max_lora_rank:
             raise ValueError(
                 f"lora.r={self.lora.r} exceeds rollout.vllm_max_lora_rank={self.rollout.vllm_max_lora_rank}"

@@ -85,19 +85,20 @@ def quantization_errors(base_dir: Path, quant_dir: Path) -> dict[str, float]:
 
 
 def convert(base_dir: Path, out_dir: Path, quant: str) -> dict:
-    """Write the checkpoint of `quant` ("nvfp4" or "bf16") from the plain HF `base_dir`."""
+    """Write the checkpoint of `quant` from the plain HF `base_dir`: "nvfp4" the compressed-tensors
+    NVFP4A16 checkpoint, "bf16" and "nf4" a copy (NF4 quantizes when it loads, as QLoRA does)."""
     base_dir, out_dir = Path(base_dir), Path(out_dir)
     if not (base_dir / "config.json").is_file():
         raise FileNotFoundError(f"base model directory {base_dir} has no config.json")
     with atomic_dir(out_dir) as tmp:
         if quant == "nvfp4":
             _nvfp4_oneshot(base_dir, tmp)
-        elif quant == "bf16":
+        elif quant in ("bf16", "nf4"):
             for p in base_dir.iterdir():
                 if p.is_file():
                     shutil.copy2(p, tmp / p.name)
         else:
-            raise ValueError(f"model.quant must be 'nvfp4' or 'bf16', got {quant!r}")
+            raise ValueError(f"model.quant must be 'nvfp4', 'bf16' or 'nf4', got {quant!r}")
         errors = quantization_errors(base_dir, tmp) if quant == "nvfp4" else {}
         before, after = dir_bytes(base_dir), dir_bytes(tmp)
         report = {

@@ -120,8 +120,24 @@ def load_tokenizer(model_dir: str | Path):
     return tok
 
 
+def load_nf4_model(checkpoint_dir: str | Path, dtype: torch.dtype, device: torch.device):
+    """QLoRA's base: the 16-bit checkpoint with every decoder linear quantized to bitsandbytes NF4
+    (blocks of 64, double-quantized scales) as it loads; matmuls dequantize to `dtype`. Embeddings,
+    norms and lm_head stay in `dtype`, as in the NVFP4 checkpoint."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as e:
+        raise ImportError("model.quant=nf4 needs bitsandbytes: pip install 'qerl[nf4]'") from e
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    qcfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=dtype, llm_int8_skip_modules=["lm_head"])
+    return AutoModelForCausalLM.from_pretrained(str(checkpoint_dir), quantization_config=qcfg, dtype=dtype,
+                                                device_map={"": str(device)})
+
+
 def load_base(checkpoint_dir: str | Path, quant: str, dtype: torch.dtype, device: torch.device):
-    """The frozen base: packed NVFP4 layers (never a 16-bit copy) or a dense model."""
+    """The frozen base: packed NVFP4 layers (never a 16-bit copy), NF4 layers, or a dense model."""
     from qerl_lib.nvfp4_linear import load_dense_model, load_nvfp4_model
 
     checkpoint_dir = Path(checkpoint_dir)
@@ -129,6 +145,8 @@ def load_base(checkpoint_dir: str | Path, quant: str, dtype: torch.dtype, device
         raise FileNotFoundError(f"checkpoint not found: {checkpoint_dir} (run the convert stage first)")
     if quant == "nvfp4":
         model = load_nvfp4_model(checkpoint_dir, dtype=dtype, device=device)
+    elif quant == "nf4":
+        model = load_nf4_model(checkpoint_dir, dtype=dtype, device=device)
     else:
         model = load_dense_model(checkpoint_dir, dtype=dtype, device=device)
     for p in model.parameters():

@@ -55,13 +55,17 @@ def _versions() -> dict[str, str]:
     return out
 
 
+QUANT_SCHEMES = {"nvfp4": "NVFP4A16", "bf16": "BF16", "nf4": "NF4 (bitsandbytes, double quant)"}
+"""`model.quant` -> the `quant_scheme` stamped on every Parquet file."""
+
+
 def file_metadata(cfg: QerlConfig, layout: Layout, kind: str) -> dict[str, str]:
     report_path = layout.convert_report(cfg.model.quant)
     ckpt_hash = read_json(report_path)["checkpoint_hash"] if report_path.is_file() else ""
     return {
         "kind": kind,
         "base_model": cfg.model.base,
-        "quant_scheme": "NVFP4A16" if cfg.model.quant == "nvfp4" else "BF16",
+        "quant_scheme": QUANT_SCHEMES[cfg.model.quant],
         "checkpoint_hash": ckpt_hash,
         **_versions(),
         "git_commit": _git_commit(),

