@@ -21,6 +21,8 @@ Engines (`--engines`, run one at a time, each in its own process, CUDA graphs on
 sizes = the batch sizes):
   bf16-rR     BF16 weights, LoRA slots of rank R; measures LoRA rank R (and no LoRA if R = 16)
   nvfp4-rR    NVFP4 as vLLM ships it (Marlin W4A16 for every batch)
+  nf4-rR      bitsandbytes NF4 (QLoRA's format): vLLM quantizes a random BF16 checkpoint, written
+              once per work directory (15 GB for the 7B shape), as it loads it
   nvfp4h-rR   the project's regime (`qerl_lib.vllm_worker`): Marlin + LoRA kernels up to
               `--dense-above` sequences per step; above, one dense BF16 GEMM per linear with
               the adapter merged in (no LoRA kernels)
@@ -89,7 +91,10 @@ def weight_bytes_per_step(fmt: str, batch: int, slot_rank: int, dense_above: int
     """Bytes of weights one decode step reads: linears in their format, the bf16 lm_head, LoRA slots."""
     lm_head = 2 * SHAPE["vocab"] * SHAPE["hidden"]
     dense = fmt == "bf16" or (fmt == "nvfp4h" and dense_above is not None and batch > dense_above)
-    per = 2.0 if dense else 0.5 + 1 / 16  # packed FP4 + one FP8 scale per 16
+    if fmt == "nf4":
+        per = 0.5 + 4 / 64  # 4-bit codes + one float32 absmax per 64 (vLLM's in-flight NF4, no double quant)
+    else:
+        per = 2.0 if dense else 0.5 + 1 / 16  # packed FP4 + one FP8 scale per 16
     return int(linear_params() * per) + lm_head + lora_bytes(slot_rank)
 
 
@@ -107,11 +112,13 @@ def spread(values: list[float]) -> dict:
 # ----------------------------------------------------------------------------- synthetic model
 
 
-def qwen7b_config(quantized: bool) -> dict:
+def qwen7b_config(quantized: bool, shape: dict | None = None) -> dict:
+    """config.json of the Qwen2.5-7B shape (or `shape`), NVFP4A16 when `quantized`."""
     from transformers import Qwen2Config
 
-    c = Qwen2Config(hidden_size=SHAPE["hidden"], intermediate_size=SHAPE["inter"], num_hidden_layers=SHAPE["layers"],
-                    num_attention_heads=SHAPE["heads"], num_key_value_heads=SHAPE["kv_heads"], vocab_size=SHAPE["vocab"],
+    shape = shape or SHAPE
+    c = Qwen2Config(hidden_size=shape["hidden"], intermediate_size=shape["inter"], num_hidden_layers=shape["layers"],
+                    num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"], vocab_size=shape["vocab"],
                     max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1e6,
                     dtype="bfloat16")
     c.architectures = ["Qwen2ForCausalLM"]
@@ -173,6 +180,50 @@ def write_synthetic(work: Path) -> dict:
     return {"layers": layers, "seconds": round(time.perf_counter() - t0, 1), "nvfp4_file_bytes": size}
 
 
+def write_bf16_weights(out: Path, shape: dict | None = None, device: str | None = None) -> dict:
+    """A random BF16 checkpoint of `shape` (default the 7B one) for engines that must read real 16-bit
+    weights (vLLM's in-flight NF4). One safetensors shard per decoder layer plus the index, so the
+    host never holds more than one layer (about 0.5 GB for the 7B shape)."""
+    import torch
+    from safetensors.torch import save_file
+
+    shape = shape or SHAPE
+    device = device or DEVICE
+    t0 = time.perf_counter()
+    gen = torch.Generator(device=device).manual_seed(1)
+    h, i, L, V = shape["hidden"], shape["inter"], shape["layers"], shape["vocab"]
+    q, kv = shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
+
+    def rand(*size, std=0.02):
+        return (torch.randn(*size, device=device, generator=gen) * std).to(torch.bfloat16).cpu()
+
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map, total = {}, 0
+    shards = L + 1
+    for l in range(L + 1):
+        name = f"model-{l + 1:05d}-of-{shards:05d}.safetensors"
+        if l < L:
+            pre = f"model.layers.{l}"
+            t = {f"{pre}.self_attn.q_proj.weight": rand(q, h), f"{pre}.self_attn.k_proj.weight": rand(kv, h),
+                 f"{pre}.self_attn.v_proj.weight": rand(kv, h), f"{pre}.self_attn.o_proj.weight": rand(h, q),
+                 f"{pre}.mlp.gate_proj.weight": rand(i, h), f"{pre}.mlp.up_proj.weight": rand(i, h),
+                 f"{pre}.mlp.down_proj.weight": rand(h, i),
+                 f"{pre}.self_attn.q_proj.bias": rand(q, std=0.01), f"{pre}.self_attn.k_proj.bias": rand(kv, std=0.01),
+                 f"{pre}.self_attn.v_proj.bias": rand(kv, std=0.01),
+                 f"{pre}.input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                 f"{pre}.post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)}
+        else:
+            t = {"model.norm.weight": torch.ones(h, dtype=torch.bfloat16), "model.embed_tokens.weight": rand(V, h),
+                 "lm_head.weight": rand(V, h)}
+        save_file(t, str(out / name), metadata={"format": "pt"})
+        total += sum(x.numel() * x.element_size() for x in t.values())
+        weight_map.update({k: name for k in t})
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (out / "config.json").write_text(json.dumps(qwen7b_config(False, shape), indent=1))
+    return {"seconds": round(time.perf_counter() - t0, 1), "bytes": total}
+
+
 def write_adapter(out: Path, rank: int, seed: int) -> Path:
     """A PEFT LoRA adapter for the 7B shape (random A and B, bf16), as `lora.save_adapter` lays it out."""
     import torch
@@ -207,7 +258,7 @@ def parse_spec(spec: str) -> tuple[str, int, bool]:
     """`FMT-rR[-ds]` -> (format, max LoRA rank, LoRA kernels on a second CUDA stream)."""
     dual = spec.endswith("-ds")
     fmt, rank = spec.removesuffix("-ds").split("-r")
-    assert fmt in ("bf16", "nvfp4", "nvfp4h"), spec
+    assert fmt in ("bf16", "nvfp4", "nvfp4h", "nf4"), spec
     return fmt, int(rank), dual
 
 
@@ -233,7 +284,10 @@ def run_engine(args) -> None:
               "compilation_config": {"cudagraph_capture_sizes": sorted(batches)}}
     if fmt == "bf16":
         kwargs["load_format"] = "dummy"
-    ckpt = work / ("bf16" if fmt == "bf16" else "nvfp4")
+    if fmt == "nf4":
+        # vLLM quantizes a 16-bit checkpoint to NF4 as it loads it; dummy weights have no file to quantize.
+        kwargs["quantization"] = "bitsandbytes"
+    ckpt = work / {"bf16": "bf16", "nf4": "bf16-weights"}.get(fmt, "nvfp4")
     dense_above = args.dense_above if fmt == "nvfp4h" else None
     eng = VLLMEngine(ckpt, max_lora_rank=rank, gpu_memory_utilization=args.mem, enforce_eager=False, seed=0,
                      max_model_len=args.prompt + args.decode + 16, dense_above=dense_above, lora_dual_stream=dual,
@@ -385,6 +439,10 @@ def driver(args) -> None:
                 print(f"gemm profile failed: {e!r}", flush=True)
         del synth
         torch.cuda.empty_cache()
+    if any(parse_spec(spec)[0] == "nf4" for spec in args.engines.split(",")) and \
+            not (work / "bf16-weights" / "model.safetensors.index.json").is_file():
+        res["bf16_weights"] = write_bf16_weights(work / "bf16-weights")
+        print(f"random BF16 checkpoint for the NF4 engine: {res['bf16_weights']}", flush=True)
     for r in (16, 64):
         if not (work / f"adapter-r{r}" / "adapter_config.json").is_file():
             write_adapter(work / f"adapter-r{r}", r, seed=r)

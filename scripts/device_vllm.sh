@@ -14,7 +14,7 @@
 #                                       vLLM into /tmp/vllm-site (exit 0)
 #   scripts/device_vllm.sh gpu-tests    python -m pytest -m gpu tests/test_vllm_engine_gpu.py
 #   scripts/device_vllm.sh rl           the 2-step RL run of .device/rl with the vLLM backend (qerl run)
-#   scripts/device_vllm.sh bench [ARGS] benchmarks/rollout_throughput.py ARGS
+#   scripts/device_vllm.sh bench [ARGS] benchmarks/rollout_throughput.py ARGS (nf4-rR engines: carry .device/exp/d too)
 #   scripts/device_vllm.sh all-b        install (piece b), then gpu-tests and rl, logs under $OUT
 #
 # Every device step exports PYTHONPATH=/tmp/vllm-site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 (flashinfer
@@ -123,6 +123,10 @@ EOF
   bench)
     gpu_env
     [ -f /tmp/vllm-site/.complete ] || { echo "vLLM is not installed in /tmp/vllm-site (run the install pieces first)" >&2; exit 2; }
+    # The nf4 engines need bitsandbytes: carry .device/exp/d (scripts/device_experiment.sh pack) in this call.
+    for w in .device/exp/d/wheels/bitsandbytes-*.whl; do
+      [ -f "$w" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vllm-site "$w"
+    done
     python3 benchmarks/rollout_throughput.py "$@" 2>&1 | tee "$OUT/bench.log"
     exit "${PIPESTATUS[0]}"
     ;;

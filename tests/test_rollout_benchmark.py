@@ -1,0 +1,37 @@
+"""Pieces of `benchmarks/rollout_throughput.py` that run without a GPU."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import rollout_throughput as rt  # noqa: E402
+
+TINY = dict(hidden=64, inter=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=256)
+
+
+def test_random_bf16_checkpoint_loads_as_a_qwen2_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    info = rt.write_bf16_weights(tmp_path / "w", TINY, "cpu")
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "w"), dtype=torch.bfloat16)
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert sum(p.numel() * p.element_size() for p in model.parameters()) == info["bytes"]
+    assert model.model.layers[1].mlp.down_proj.weight.shape == (64, 128)
+    with torch.no_grad():
+        logits = model(torch.tensor([[1, 2, 3]])).logits
+    assert logits.shape == (1, 3, 256) and torch.isfinite(logits).all()
+
+
+def test_engine_specs_and_bytes_per_step():
+    assert rt.parse_spec("nf4-r16") == ("nf4", 16, False)
+    assert rt.parse_spec("nvfp4h-r64-ds") == ("nvfp4h", 64, True)
+    n = rt.linear_params()
+    lm_head = 2 * rt.SHAPE["vocab"] * rt.SHAPE["hidden"]
+    assert rt.weight_bytes_per_step("bf16", 1, 0, None) == 2 * n + lm_head
+    assert rt.weight_bytes_per_step("nf4", 1, 0, None) == int(n * (0.5 + 4 / 64)) + lm_head
+    # the project's NVFP4 engine reads dense weights above its threshold
+    assert rt.weight_bytes_per_step("nvfp4h", 64, 0, 48) == rt.weight_bytes_per_step("bf16", 64, 0, None)
