@@ -69,22 +69,22 @@ STOCK_REFERENCE = {
 # ----------------------------------------------------------------------------- byte counts
 
 
+def linear_shapes(shape: dict | None = None) -> dict[str, tuple[int, int]]:
+    """{module path inside a decoder layer: (out_features, in_features)} of the seven linears, in order."""
+    shape = shape or SHAPE
+    h, i = shape["hidden"], shape["inter"]
+    q, kv = shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
+    return {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+            "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
+
+
 def linear_params() -> int:
-    h, i, L = SHAPE["hidden"], SHAPE["inter"], SHAPE["layers"]
-    q = SHAPE["heads"] * SHAPE["head_dim"]
-    kv = SHAPE["kv_heads"] * SHAPE["head_dim"]
-    return L * (h * (q + 2 * kv) + q * h + 2 * h * i + i * h)
+    return SHAPE["layers"] * sum(n * k for n, k in linear_shapes().values())
 
 
 def lora_bytes(rank: int) -> int:
     """bf16 LoRA A and B of the 7 targets in every layer at `rank` (vLLM's slots are padded to max_lora_rank)."""
-    if rank == 0:
-        return 0
-    h, i, L = SHAPE["hidden"], SHAPE["inter"], SHAPE["layers"]
-    q = SHAPE["heads"] * SHAPE["head_dim"]
-    kv = SHAPE["kv_heads"] * SHAPE["head_dim"]
-    dims = [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
-    return L * sum(rank * (a + b) * 2 for a, b in dims)
+    return SHAPE["layers"] * sum(rank * (n + k) * 2 for n, k in linear_shapes().values())
 
 
 def weight_bytes_per_step(fmt: str, batch: int, slot_rank: int, dense_above: int | None) -> int:
@@ -146,17 +146,15 @@ def write_synthetic(work: Path) -> dict:
     nv, bf = work / "nvfp4", work / "bf16"
     t0 = time.perf_counter()
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    h, i, L, V = SHAPE["hidden"], SHAPE["inter"], SHAPE["layers"], SHAPE["vocab"]
+    h, L, V = SHAPE["hidden"], SHAPE["layers"], SHAPE["vocab"]
     q, kv = SHAPE["heads"] * SHAPE["head_dim"], SHAPE["kv_heads"] * SHAPE["head_dim"]
     gs = torch.tensor([GLOBAL_SCALE], dtype=torch.float32)
     layers = []
     tensors = {}
     for l in range(L):
         pre = f"model.layers.{l}"
-        mods = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
-                "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
         gpu = {}
-        for m, (n, k) in mods.items():
+        for m, (n, k) in linear_shapes().items():
             packed, scale = synth_packed(n, k, gen)
             gpu[m] = (packed, scale)
             tensors[f"{pre}.{m}.weight_packed"] = packed.cpu()
@@ -191,7 +189,7 @@ def write_bf16_weights(out: Path, shape: dict | None = None, device: str | None 
     device = device or DEVICE
     t0 = time.perf_counter()
     gen = torch.Generator(device=device).manual_seed(1)
-    h, i, L, V = shape["hidden"], shape["inter"], shape["layers"], shape["vocab"]
+    h, L, V = shape["hidden"], shape["layers"], shape["vocab"]
     q, kv = shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
 
     def rand(*size, std=0.02):
@@ -204,14 +202,11 @@ def write_bf16_weights(out: Path, shape: dict | None = None, device: str | None 
         name = f"model-{l + 1:05d}-of-{shards:05d}.safetensors"
         if l < L:
             pre = f"model.layers.{l}"
-            t = {f"{pre}.self_attn.q_proj.weight": rand(q, h), f"{pre}.self_attn.k_proj.weight": rand(kv, h),
-                 f"{pre}.self_attn.v_proj.weight": rand(kv, h), f"{pre}.self_attn.o_proj.weight": rand(h, q),
-                 f"{pre}.mlp.gate_proj.weight": rand(i, h), f"{pre}.mlp.up_proj.weight": rand(i, h),
-                 f"{pre}.mlp.down_proj.weight": rand(h, i),
-                 f"{pre}.self_attn.q_proj.bias": rand(q, std=0.01), f"{pre}.self_attn.k_proj.bias": rand(kv, std=0.01),
-                 f"{pre}.self_attn.v_proj.bias": rand(kv, std=0.01),
-                 f"{pre}.input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
-                 f"{pre}.post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)}
+            t = {f"{pre}.{m}.weight": rand(n, k) for m, (n, k) in linear_shapes(shape).items()}
+            for m, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                t[f"{pre}.self_attn.{m}.bias"] = rand(n, std=0.01)
+            t[f"{pre}.input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+            t[f"{pre}.post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
         else:
             t = {"model.norm.weight": torch.ones(h, dtype=torch.bfloat16), "model.embed_tokens.weight": rand(V, h),
                  "lm_head.weight": rand(V, h)}
@@ -230,13 +225,9 @@ def write_adapter(out: Path, rank: int, seed: int) -> Path:
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(seed)
-    h, i, L = SHAPE["hidden"], SHAPE["inter"], SHAPE["layers"]
-    q, kv = SHAPE["heads"] * SHAPE["head_dim"], SHAPE["kv_heads"] * SHAPE["head_dim"]
-    dims = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
-            "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, i), "mlp.up_proj": (h, i), "mlp.down_proj": (i, h)}
     t = {}
-    for l in range(L):
-        for m, (fan_in, fan_out) in dims.items():
+    for l in range(SHAPE["layers"]):
+        for m, (fan_out, fan_in) in linear_shapes().items():
             key = f"base_model.model.model.layers.{l}.{m}"
             t[f"{key}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=g) / fan_in**0.5).to(torch.bfloat16)
             t[f"{key}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=g) * 0.01).to(torch.bfloat16)

@@ -215,7 +215,6 @@ def train_on_rollouts(policy, optimizer, scheduler, rows: list[dict], cfg: QerlC
                 log.warning("update skipped: gradient norm %s in mini-batch %d; non-finite grads in %d tensors (%s)",
                             gnorm, a, len(bad), ", ".join(bad[:3]))
                 skipped += 1
-            optimizer.zero_grad(set_to_none=True)
             scheduler.step()
     model.eval()
     sums = all_reduce_sums({"loss": sum(losses), "entropy": entropy_sum, "mismatch": mismatch_sum,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import copy_workspace
 
 from qerl_lib.config import ParallelConfig, load_config
 from qerl_lib.distributed import DistContext, check_tensor_parallel, placement, shard
 from qerl_lib.paths import Layout
-from conftest import copy_workspace
 
 QWEN7B = {"num_attention_heads": 28, "num_key_value_heads": 4}
 QWEN72B = {"num_attention_heads": 64, "num_key_value_heads": 8}
