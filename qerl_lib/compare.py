@@ -93,7 +93,11 @@ def _mean(ys: list[float]) -> float | None:
 
 def train_summary(arm: Arm, early_steps: int = 5) -> dict[str, Any]:
     """first / early / last / mean of the training curves, and wall-clock per step."""
-    out: dict[str, Any] = {"steps_updated": sum(r.get("has_update", 0) for r in arm.train)}
+    out: dict[str, Any] = {
+        "steps_updated": sum(r.get("has_update", 0) for r in arm.train),
+        # Steps whose update moved the adapter: dynamic sampling can leave a step with no group to learn from.
+        "steps_trained": sum(1 for r in arm.train if (r.get("optimizer_steps") or 0) > 0),
+    }
     for key in ("reward_mean", "correct_rate", "format_rate", "entropy", "kl", "sigma", "clip_frac", "kept_frac"):
         _, ys = _series(arm.train, key)
         if not ys:
@@ -161,12 +165,12 @@ def to_markdown(result: dict) -> str:
         lines.append(f"| {name} | {_fmt(first.get('pass_at_1'))} | {_fmt(last.get('pass_at_1'))} ± "
                      f"{_fmt(last.get('pass_at_1_se'))} | {_fmt(first.get('greedy_acc'))} | "
                      f"{_fmt(last.get('greedy_acc'))} | {last.get('step', '-')} |")
-    lines += ["", f"| arm | updates | reward first / early{e} / last{e} | entropy early{e} / mean | "
+    lines += ["", f"| arm | updates (that trained) | reward first / early{e} / last{e} | entropy early{e} / mean | "
               f"KL last{e} | sigma first / last | s per step (median) |", "|---|---|---|---|---|---|---|"]
     for name, a in result["arms"].items():
         t = a["train"]
         r, h, k, s = (t.get(x, {}) for x in ("reward_mean", "entropy", "kl", "sigma"))
-        lines.append(f"| {name} | {t.get('steps_updated')} | {_fmt(r.get('first'))} / {_fmt(r.get(f'early{e}'))} / "
+        lines.append(f"| {name} | {t.get('steps_updated')} ({t.get('steps_trained')}) | {_fmt(r.get('first'))} / {_fmt(r.get(f'early{e}'))} / "
                      f"{_fmt(r.get(f'last{e}'))} | {_fmt(h.get(f'early{e}'))} / {_fmt(h.get('mean'))} | "
                      f"{_fmt(k.get(f'last{e}'), 4)} | {_fmt(s.get('first'), 4)} / {_fmt(s.get('last'), 4)} | "
                      f"{_fmt(t.get('step_seconds', {}).get('median'), 2)} |")

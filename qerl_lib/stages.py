@@ -346,8 +346,9 @@ def _update(cfg: QerlConfig, layout: Layout, step: int, policy, ctx) -> dict:
         with noised(pol.injector, float(sigma), int(aqn_seed), step):
             metrics = train_on_rollouts(pol, optimizer, scheduler, kept, cfg, ctx)
     else:
-        # Every group had equal rewards: nothing to learn; adapter step+1 = adapter step.
-        metrics = {"loss": 0.0, "entropy": float("nan"), "kl": 0.0, "clip_frac": 0.0, "grad_norm": 0.0,
+        # Every group had equal rewards: nothing to learn; adapter step+1 = adapter step. Entropy and KL
+        # are NaN, not 0: no policy token was scored, and a 0 would read as "the policy is the base".
+        metrics = {"loss": 0.0, "entropy": float("nan"), "kl": float("nan"), "clip_frac": 0.0, "grad_norm": 0.0,
                    "lr": optimizer.param_groups[0]["lr"], "tokens": 0, "optimizer_steps": 0, "skipped": True}
     opt_steps = state["optimizer_steps"] + metrics.get("optimizer_steps", 0)
     pol.version = step + 1

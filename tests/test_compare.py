@@ -41,6 +41,9 @@ def test_compare_writes_every_file_from_the_runs_metrics(two_arms, tmp_path):
     update0 = json.loads(lay.update_metrics(0).read_text())
     assert comp["arms"]["ref"]["train"]["entropy"]["first"] == pytest.approx(update0["entropy"])
     assert comp["arms"]["ref"]["train"]["steps_updated"] == steps
+    trained = sum(json.loads(lay.update_metrics(s).read_text())["optimizer_steps"] > 0 for s in range(steps))
+    assert comp["arms"]["ref"]["train"]["steps_trained"] == trained
+    assert f"| ref | {steps} ({trained}) |" in (out / "summary.md").read_text()
 
     rows = list(csv.DictReader((out / "steps.csv").open()))
     assert [(r["arm"], int(r["step"])) for r in rows] == [(n, s) for n in ("ref", "noisier") for s in range(steps)]

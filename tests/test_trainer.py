@@ -93,3 +93,24 @@ def test_left_padded_backward_is_finite_at_width_64_mod_128():
             out.backward(torch.randn_like(out))
         for t in (q, k, v):
             assert torch.isfinite(t.grad).all(), L
+
+
+def test_a_step_with_no_kept_group_keeps_the_adapter_and_reports_no_kl(scored_workspace, tmp_path):
+    """Dynamic sampling can drop every group (all rewards equal): no update, and KL/entropy are NaN, not 0."""
+    from qerl_lib.schema import read_metadata, read_rollouts, to_table, write_rollouts
+    from qerl_lib.stages import update_stage
+
+    cfg, layout = scored_workspace
+    work = copy_workspace(layout, tmp_path / "w")
+    rows = read_rollouts(work.scored(0), scored=True).to_pylist()
+    for r in rows:
+        r["kept"] = False
+    write_rollouts(to_table(rows), work.scored(0), read_metadata(work.scored(0)), scored=True)
+    c = cfg.model_copy(deep=True)
+    c.run.root = str(work.root)
+    m = update_stage(c, work, 0)
+    assert m["optimizer_steps"] == 0 and m["kept_samples"] == 0 and m["samples"] == len(rows)
+    assert math.isnan(m["kl"]) and math.isnan(m["entropy"])
+    before, after = _adapter(layout, 0), _adapter(work, 1)
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
