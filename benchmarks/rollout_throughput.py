@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -240,6 +242,21 @@ def write_adapter(out: Path, rank: int, seed: int) -> Path:
         "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
     }, indent=1))
     return out
+
+
+def run_child(cmd: list[str], timeout: float) -> int | str:
+    """Run `cmd` in its own process group; on timeout kill the whole group and return "timeout".
+
+    Killing only the child would leave vLLM's EngineCore process alive: it keeps the GPU memory and
+    the stdout pipe (session 5: `bench | tee` then waited until the device call's own limit).
+    """
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return "timeout"
 
 
 # ----------------------------------------------------------------------------- one engine (child process)
@@ -459,10 +476,7 @@ def driver(args) -> None:
         if args.loras:
             cmd += ["--loras", args.loras]
         print(f"== engine {spec} ({left:.0f} s left)", flush=True)
-        try:
-            rc = subprocess.run(cmd, timeout=max(left, 1)).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+        rc = run_child(cmd, timeout=max(left, 1))
         path = work / f"engine-{spec}.json"
         res["engines"][spec] = json.loads(path.read_text()) if path.is_file() else {}
         if rc != 0:

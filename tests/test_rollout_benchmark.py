@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -35,3 +38,25 @@ def test_engine_specs_and_bytes_per_step():
     assert rt.weight_bytes_per_step("nf4", 1, 0, None) == int(n * (0.5 + 4 / 64)) + lm_head
     # the project's NVFP4 engine reads dense weights above its threshold
     assert rt.weight_bytes_per_step("nvfp4h", 64, 0, 48) == rt.weight_bytes_per_step("bf16", 64, 0, None)
+
+
+def test_run_child_kills_the_whole_process_group_on_timeout(tmp_path):
+    """vLLM's EngineCore is a grandchild of the benchmark: a timeout must take it down too."""
+    pid_file = tmp_path / "grandchild.pid"
+    child = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+             f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    t0 = time.time()
+    assert rt.run_child([sys.executable, "-c", child], timeout=3) == "timeout"
+    assert time.time() - t0 < 30
+    grandchild = int(pid_file.read_text())
+    for _ in range(50):  # reaped by init once killed; wait for the kernel to finish it
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        if subprocess.run(["ps", "-o", "stat=", "-p", str(grandchild)], capture_output=True, text=True).stdout.strip().startswith("Z"):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"grandchild {grandchild} survived the timeout")
+    assert rt.run_child([sys.executable, "-c", "raise SystemExit(3)"], timeout=30) == 3
