@@ -8,6 +8,7 @@ Three modes, each writing one JSON file (with the exact command, device and vers
     nvfp4-triton  packed NVFP4 base, fused Triton dequantize-and-multiply kernels
     nvfp4-torch   the same packed base, plain PyTorch dequantization per call
     nvfp4-auto    the layer's own choice: the kernels up to `DENSE_ABOVE_ROWS` rows per call, plain above
+    nvfp4-dq      dequantize once per call with one Triton kernel, then cuBLAS (QERL_NVFP4_BACKEND=triton-dq)
     bf16          a BF16 base (nn.Linear)
     nf4           bitsandbytes NF4 + double quant (QLoRA), when bitsandbytes imports
   An arm name with `:full` (e.g. `bf16:full`) measures the same with the log-probs taken from
@@ -24,7 +25,7 @@ Three modes, each writing one JSON file (with the exact command, device and vers
   breakdown (base weights, LoRA + grads + optimizer state, activations and temporaries).
 - `linears`: the seven linears of one Qwen2.5-7B layer, forward and input gradient, at
   `--micro-batches` x 2304 tokens: cuBLAS BF16 vs the Triton kernels vs plain PyTorch
-  dequantization, with the measured bf16 matmul ceiling.
+  dequantization vs one-kernel Triton dequantization + cuBLAS, with the measured bf16 matmul ceiling.
 
 Weights are random and built on the GPU directly: NVFP4 layers get random packed codes and
 FP8 scales (no 16-bit copy of any quantized weight ever exists), the BF16 arm random bf16
@@ -220,9 +221,11 @@ def set_backend(name: str):
     if name == "torch":
         nl.register_matmul_backend("cuda", nl.TORCH_BACKEND)
         return
-    from qerl_lib.kernels.nvfp4_triton import make_backend
+    from qerl_lib.kernels.nvfp4_triton import make_backend, make_dequant_backend
 
-    if name == "auto":  # what NVFP4Linear picks on its own: kernels up to DENSE_ABOVE_ROWS rows, plain above
+    if name == "dq":
+        nl.register_matmul_backend("cuda", make_dequant_backend())
+    elif name == "auto":  # what NVFP4Linear picks on its own: kernels up to DENSE_ABOVE_ROWS rows, plain above
         nl.register_matmul_backend("cuda", nl.split_by_rows(make_backend(), nl.TORCH_BACKEND, nl.DENSE_ABOVE_ROWS))
     else:
         nl.register_matmul_backend("cuda", make_backend())
@@ -457,7 +460,7 @@ def mode_linears(args, device) -> dict:
     import triton
 
     from qerl_lib.kernels import nvfp4_triton as kt
-    from qerl_lib.kernels.nvfp4_triton import nvfp4_grad_input, nvfp4_matmul
+    from qerl_lib.kernels.nvfp4_triton import make_dequant_backend, nvfp4_grad_input, nvfp4_matmul
     from qerl_lib.nvfp4_linear import torch_matmul_forward, torch_matmul_grad_input
 
     cfg = qwen_config(args.shape, None)
@@ -484,7 +487,8 @@ def mode_linears(args, device) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     for mb in args.micro_batches:
         m = mb * (args.prompt + args.completion)
-        rows, tot = {}, {"bf16": 0.0, "triton": 0.0, "torch": 0.0}
+        rows, tot = {}, {"bf16": 0.0, "triton": 0.0, "torch": 0.0, "dq": 0.0}
+        dq = make_dequant_backend()
         for name, (n, k) in shapes.items():
             lin = random_nvfp4_linear(k, n, False, device, gen)
             p, s, gs = lin.weight_packed, lin.weight_scale, lin.weight_global_scale
@@ -498,6 +502,9 @@ def mode_linears(args, device) -> dict:
                 "triton_grad": bench(lambda: nvfp4_grad_input(dy, p, s, gs)),
                 "torch_fwd": bench(lambda: torch_matmul_forward(x, p, s, gs, None)),
                 "torch_grad": bench(lambda: torch_matmul_grad_input(dy, p, s, gs)),
+                "dq_fwd": bench(lambda: dq.forward(x, p, s, gs, None)),
+                "dq_grad": bench(lambda: dq.grad_input(dy, p, s, gs)),
+                "dq_dequant_only": bench(lambda: kt.nvfp4_dequantize_triton(p, s, gs, torch.bfloat16)),
             }
             flops = 2 * m * n * k
             r = {key: round(v, 4) for key, v in r.items()}
@@ -512,12 +519,16 @@ def mode_linears(args, device) -> dict:
             if args.sweep:
                 r["sweep_fwd"] = sweep(lambda c: nvfp4_matmul(x, p, s, gs, config=c), kt.FWD_CONFIGS)
                 r["sweep_grad"] = sweep(lambda c: nvfp4_grad_input(dy, p, s, gs, config=c), kt.GRAD_CONFIGS)
-            r.update({f"{key}_tflops": round(flops / r[key] / 1e9, 1) for key in list(r) if not key.startswith(("sweep", "rel_err"))})
+            r.update({f"{key}_tflops": round(flops / r[key] / 1e9, 1) for key in list(r)
+                      if not key.startswith(("sweep", "rel_err", "dq_dequant"))})
+            # bytes the dequantization moves: packed codes + FP8 scales read, bf16 W written
+            r["dq_dequant_only_gb_per_s"] = round(n * k * (0.5 + 1 / 16 + 2) / r["dq_dequant_only"] / 1e6, 1)
             r["triton_vs_bf16"] = round((r["triton_fwd"] + r["triton_grad"]) / (r["bf16_fwd"] + r["bf16_grad"]), 3)
             rows[name] = r
             tot["bf16"] += r["bf16_fwd"] + r["bf16_grad"]
             tot["triton"] += r["triton_fwd"] + r["triton_grad"]
             tot["torch"] += r["torch_fwd"] + r["torch_grad"]
+            tot["dq"] += r["dq_fwd"] + r["dq_grad"]
             print(f"[linears] mb={mb} {name} {n}x{k}: {r}", flush=True)
             del lin, p, s, gs, w, x, dy
             free_gpu()
@@ -526,6 +537,7 @@ def mode_linears(args, device) -> dict:
             "layer_fwd_plus_grad_ms": {key: round(v, 3) for key, v in tot.items()},
             "layer_triton_vs_bf16": round(tot["triton"] / tot["bf16"], 3),
             "layer_torch_vs_bf16": round(tot["torch"] / tot["bf16"], 3),
+            "layer_dq_vs_bf16": round(tot["dq"] / tot["bf16"], 3),
         }
     try:
         from qerl_lib.kernels.nvfp4_triton import tuned_configs
@@ -545,7 +557,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--completion", type=int, default=2048)
     ap.add_argument("--arms", nargs="+", default=["nvfp4-triton", "nvfp4-torch", "bf16", "nf4"],
-                    choices=[a + s for a in ("nvfp4-triton", "nvfp4-torch", "nvfp4-auto", "bf16", "nf4") for s in ("", ":full")],
+                    choices=[a + s for a in ("nvfp4-triton", "nvfp4-torch", "nvfp4-auto", "nvfp4-dq", "bf16", "nf4") for s in ("", ":full")],
                     help="step: ARM[:full]; ':full' computes the log-probs from the full logits (the old path)")
     ap.add_argument("--no-grad-ckpt", dest="grad_ckpt", action="store_false")
     ap.add_argument("--sweep", action="store_true", help="linears: also time every prefill configuration")

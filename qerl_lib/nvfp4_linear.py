@@ -15,7 +15,8 @@ dequantized weight. On CUDA the first NVFP4 matmul registers the fused Triton ke
 memory; docs/kernels.md) when Triton imports and the GPU has bf16 tensor cores (sm_80+), for
 calls of up to `DENSE_ABOVE_ROWS` rows; larger calls dequantize W once per call (see there);
 the choice is logged once per device type. `QERL_NVFP4_BACKEND=torch` keeps the pure-PyTorch
-path on CUDA at every size, `QERL_NVFP4_BACKEND=triton` the kernels at every size; an explicit
+path on CUDA at every size, `QERL_NVFP4_BACKEND=triton` the kernels at every size,
+`QERL_NVFP4_BACKEND=triton-dq` one Triton dequantization kernel per call then cuBLAS; an explicit
 `register_matmul_backend` call always wins. The CPU keeps
 the pure-PyTorch path.
 
@@ -108,6 +109,11 @@ def split_by_rows(small: MatmulBackend, large: MatmulBackend, above: int) -> Mat
 
     return MatmulBackend(f"{small.name}<={above}<{large.name}", forward, grad_input)
 
+BACKEND_CHOICES = ("", "auto", "torch", "triton", "triton-dq")
+"""Values of QERL_NVFP4_BACKEND (CUDA only): unset or auto = the split below; torch = plain PyTorch
+dequantization; triton = the fused kernels at every size; triton-dq = one Triton dequantization
+kernel per call, then cuBLAS."""
+
 _BACKENDS: dict[str, MatmulBackend] = {}
 _CHOSEN: set[str] = set()  # device types whose backend is settled (automatically or explicitly)
 
@@ -126,23 +132,31 @@ def register_matmul_backend(device_type: str, backend: MatmulBackend | None) -> 
 
 def _choose_backend(device: torch.device) -> None:
     """First NVFP4 matmul on a device type: pick its backend and log the choice once."""
+    choice = os.environ.get("QERL_NVFP4_BACKEND", "").strip().lower()
+    if device.type == "cuda" and choice not in BACKEND_CHOICES:  # before settling, so every call raises
+        raise ValueError(f"QERL_NVFP4_BACKEND={choice!r}: expected one of {', '.join(BACKEND_CHOICES[1:])} "
+                         "(or unset for the automatic choice)")
     _CHOSEN.add(device.type)
     if device.type != "cuda":
         log.info("NVFP4 matmul on %s: pure-PyTorch dequantize + matmul", device.type)
         return
-    choice = os.environ.get("QERL_NVFP4_BACKEND", "").strip().lower()
     if choice == "torch":
         log.info("NVFP4 matmul on cuda: pure-PyTorch dequantize + matmul (QERL_NVFP4_BACKEND=torch)")
         return
     try:
         if torch.cuda.get_device_capability(device) < (8, 0):
             raise RuntimeError(f"compute capability {torch.cuda.get_device_capability(device)} < 8.0")
-        from qerl_lib.kernels.nvfp4_triton import make_backend
+        from qerl_lib.kernels.nvfp4_triton import make_backend, make_dequant_backend
 
         backend = make_backend()
     except Exception as e:  # no Triton, an old GPU, a broken install: the torch path still works
         log.warning("NVFP4 matmul on cuda: pure-PyTorch dequantize + matmul (Triton kernels unavailable: %s: %s)",
                     type(e).__name__, e)
+        return
+    if choice == "triton-dq":
+        _BACKENDS["cuda"] = make_dequant_backend()
+        log.info("NVFP4 matmul on cuda: one Triton dequantization kernel per call + cuBLAS at every size "
+                 "(QERL_NVFP4_BACKEND=triton-dq)")
         return
     if choice == "triton":
         _BACKENDS["cuda"] = backend

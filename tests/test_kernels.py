@@ -126,6 +126,18 @@ def _interpreter_checks() -> dict[str, dict]:
     register_matmul_backend("cpu", None)
     ef, eb = _rel(outs["triton"][0], outs["torch"][0]), _rel(outs["triton"][1], outs["torch"][1])
     record("nvfp4linear_autograd_fp16", ef < 2e-3 and eb < 2e-3, f"fwd {ef:.2e} bwd {eb:.2e}")
+
+    # The dequantize-once backend multiplies by the very W the torch backend builds (fp16: the
+    # interpreter's dequantization is bit-exact there), so its outputs are identical.
+    dq = kt.make_dequant_backend()
+    for m, n, k in INTERP_SHAPES[:3]:
+        p, s, gs = _random_nvfp4(n, k, gen)
+        x = torch.randn(m, k, generator=gen).to(torch.float16)
+        dy = torch.randn(m, n, generator=gen).to(torch.float16)
+        bias = torch.randn(n, generator=gen)
+        same = (torch.equal(dq.forward(x, p, s, gs, bias), TORCH_BACKEND.forward(x, p, s, gs, bias))
+                and torch.equal(dq.grad_input(dy, p, s, gs), TORCH_BACKEND.grad_input(dy, p, s, gs)))
+        record(f"dequant_backend_equals_torch[{m}x{n}x{k}]", same and dq.name == "triton-dq")
     assert isinstance(kt.make_backend(), MatmulBackend)
     return results
 
@@ -155,6 +167,7 @@ def _interp_names() -> list[str]:
                 tag = f"[{m}x{n}x{k},{dt},cfg{ci}]"
                 names += [f"forward{tag}", f"forward_bias{tag}", f"grad_input{tag}"]
     names.append("nvfp4linear_autograd_fp16")
+    names += [f"dequant_backend_equals_torch[{m}x{n}x{k}]" for m, n, k in INTERP_SHAPES[:3]]
     return names
 
 
@@ -273,6 +286,31 @@ def test_gpu_nvfp4linear_uses_triton_and_autograd(caplog):
     # float32 activations keep the exact torch path
     y32 = layer(x.detach().float())
     assert torch.equal(y32, nl.torch_matmul_forward(x.detach().float().reshape(-1, 3584), p, s, gs, layer.bias).reshape(y32.shape))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 4097])
+def test_gpu_dequant_backend_equals_torch_backend(m, monkeypatch):
+    """triton-dq multiplies by the same bf16 W as the plain path (one kernel instead of several ops):
+    cuBLAS on identical operands gives identical outputs, forward and input gradient."""
+    from qerl_lib import nvfp4_linear as nl
+
+    gen = torch.Generator().manual_seed(5)
+    p, s, gs = _random_nvfp4(18944, 3584, gen, "cuda")
+    x = torch.randn(m, 3584, generator=gen).to("cuda", torch.bfloat16)
+    dy = torch.randn(m, 18944, generator=gen).to("cuda", torch.bfloat16)
+    monkeypatch.setenv("QERL_NVFP4_BACKEND", "triton-dq")
+    nl._CHOSEN.discard("cuda")
+    nl._BACKENDS.pop("cuda", None)
+    try:
+        dq = nl.get_matmul_backend("cuda")
+    finally:
+        nl._CHOSEN.discard("cuda")
+        nl._BACKENDS.pop("cuda", None)
+    assert dq.name == "triton-dq"
+    assert torch.equal(dq.forward(x, p, s, gs, None), nl.TORCH_BACKEND.forward(x, p, s, gs, None))
+    assert torch.equal(dq.grad_input(dy, p, s, gs), nl.TORCH_BACKEND.grad_input(dy, p, s, gs))
 
 
 if __name__ == "__main__":

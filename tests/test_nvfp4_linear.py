@@ -115,6 +115,19 @@ def test_matmul_backend_is_pluggable():
     assert calls == ["forward", "grad_input"]
 
 
+def test_unknown_backend_choice_is_named_and_not_settled(monkeypatch):
+    """A typo in QERL_NVFP4_BACKEND fails on the first CUDA matmul (no GPU needed to check it), every time."""
+    from qerl_lib import nvfp4_linear as nl
+
+    monkeypatch.setenv("QERL_NVFP4_BACKEND", "trition")
+    monkeypatch.setattr(nl, "_CHOSEN", set())
+    for _ in range(2):
+        with pytest.raises(ValueError, match="QERL_NVFP4_BACKEND='trition'.*triton-dq"):
+            nl.get_matmul_backend("cuda")
+    assert "cuda" not in nl._CHOSEN
+    assert nl.get_matmul_backend("cpu") is TORCH_BACKEND  # the CPU ignores the variable
+
+
 def _quantized_shapes(model: nn.Module) -> set[tuple[int, int]]:
     return {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, NVFP4Linear)}
 

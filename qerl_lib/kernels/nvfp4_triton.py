@@ -567,3 +567,44 @@ def make_backend():
     from qerl_lib.nvfp4_linear import MatmulBackend
 
     return MatmulBackend("triton", _forward, _grad_input)
+
+
+# Dequantize once per call, then cuBLAS: the plain path's algorithm with its several PyTorch ops
+# (unpack, code lookup, float32 scale product, cast) replaced by one kernel. It makes a transient
+# 16-bit copy of the one weight in use, as bitsandbytes' NF4 path does; session 5 measured NF4 at
+# 1.04x BF16 per training step at micro-batch 2 where the fused kernels took 1.34x
+# (docs/kernels.md). Opt-in (QERL_NVFP4_BACKEND=triton-dq) until it is measured on the GPU.
+
+
+def _dequantized_like(t: torch.Tensor, packed, scale, global_scale) -> torch.Tensor:
+    """W [N, K] in t's dtype, by `nvfp4_dequantize_triton` on t's device."""
+    if not t.is_cuda:  # the interpreter (tests)
+        return nvfp4_dequantize_triton(packed, scale, global_scale, t.dtype)
+    with torch.cuda.device(t.device):
+        return nvfp4_dequantize_triton(packed, scale, global_scale, t.dtype)
+
+
+def _dq_forward(x, packed, scale, global_scale, bias):
+    """y [M, N] = x [M, K] @ W.T + bias, W dequantized by one kernel for this call only."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        from qerl_lib.nvfp4_linear import torch_matmul_forward
+
+        return torch_matmul_forward(x, packed, scale, global_scale, bias)
+    w = _dequantized_like(x, packed, scale, global_scale)
+    return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+def _dq_grad_input(grad_y, packed, scale, global_scale):
+    """grad_x [M, K] = grad_y [M, N] @ W [N, K], W dequantized again by one kernel."""
+    if grad_y.dtype not in (torch.bfloat16, torch.float16):
+        from qerl_lib.nvfp4_linear import torch_matmul_grad_input
+
+        return torch_matmul_grad_input(grad_y, packed, scale, global_scale)
+    return grad_y @ _dequantized_like(grad_y, packed, scale, global_scale)
+
+
+def make_dequant_backend():
+    """The dequantize-once `MatmulBackend`: one Triton dequantization kernel per call, then cuBLAS."""
+    from qerl_lib.nvfp4_linear import MatmulBackend
+
+    return MatmulBackend("triton-dq", _dq_forward, _dq_grad_input)
