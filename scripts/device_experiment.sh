@@ -26,7 +26,7 @@ cmd=${1:-help}
 shift || true
 OUT=${OUT:-/tmp/qerl-out}
 EXP=/tmp/qerl-exp
-PIECE_BYTES=(62000000 34000000)  # GGUF bytes in pieces a and b (c: the rest); a alone, or each beside a vLLM piece after shrinking
+PIECE_BYTES=(58000000 36000000)  # GGUF bytes in pieces a and b (c: the rest): a leaves 9 MB of the 64 MiB carry for the working tree
 
 exp_env() {
   export PYTHONPATH=$EXP/site:/tmp/vllm-site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
