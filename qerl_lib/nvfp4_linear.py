@@ -109,6 +109,7 @@ def split_by_rows(small: MatmulBackend, large: MatmulBackend, above: int) -> Mat
 
     return MatmulBackend(f"{small.name}<={above}<{large.name}", forward, grad_input)
 
+
 BACKEND_CHOICES = ("", "auto", "torch", "triton", "triton-dq")
 """Values of QERL_NVFP4_BACKEND (CUDA only): unset or auto = the split below; torch = plain PyTorch
 dequantization; triton = the fused kernels at every size; triton-dq = one Triton dequantization
