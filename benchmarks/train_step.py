@@ -216,19 +216,10 @@ def free_gpu():
 
 
 def set_backend(name: str):
+    """Register the CUDA backend an arm names: torch, triton, auto (the layer's own split) or dq (triton-dq)."""
     from qerl_lib import nvfp4_linear as nl
 
-    if name == "torch":
-        nl.register_matmul_backend("cuda", nl.TORCH_BACKEND)
-        return
-    from qerl_lib.kernels.nvfp4_triton import make_backend, make_dequant_backend
-
-    if name == "dq":
-        nl.register_matmul_backend("cuda", make_dequant_backend())
-    elif name == "auto":  # what NVFP4Linear picks on its own: kernels up to DENSE_ABOVE_ROWS rows, plain above
-        nl.register_matmul_backend("cuda", nl.split_by_rows(make_backend(), nl.TORCH_BACKEND, nl.DENSE_ABOVE_ROWS))
-    else:
-        nl.register_matmul_backend("cuda", make_backend())
+    nl.register_matmul_backend("cuda", nl.cuda_backend({"auto": "", "dq": "triton-dq"}.get(name, name)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -460,7 +451,8 @@ def mode_linears(args, device) -> dict:
     import triton
 
     from qerl_lib.kernels import nvfp4_triton as kt
-    from qerl_lib.kernels.nvfp4_triton import make_dequant_backend, nvfp4_grad_input, nvfp4_matmul
+    from qerl_lib.kernels.nvfp4_backends import make_dequant_backend
+    from qerl_lib.kernels.nvfp4_triton import nvfp4_grad_input, nvfp4_matmul
     from qerl_lib.nvfp4_linear import torch_matmul_forward, torch_matmul_grad_input
 
     cfg = qwen_config(args.shape, None)

@@ -131,6 +131,29 @@ def register_matmul_backend(device_type: str, backend: MatmulBackend | None) -> 
         _BACKENDS[device_type] = backend
 
 
+_CHOICE_LOG = {
+    "triton-dq": "one Triton dequantization kernel per call + cuBLAS at every size (QERL_NVFP4_BACKEND=triton-dq)",
+    "triton": "fused Triton dequantize-and-multiply kernels at every size (QERL_NVFP4_BACKEND=triton)",
+    "": f"fused Triton dequantize-and-multiply kernels up to {DENSE_ABOVE_ROWS} rows per call, "
+        "dequantize once + cuBLAS above (qerl_lib.kernels.nvfp4_triton)",
+}
+
+
+def cuda_backend(choice: str) -> MatmulBackend:
+    """The CUDA backend a QERL_NVFP4_BACKEND value names ("" and "auto": the split by rows).
+
+    Imports the Triton kernels for every choice but "torch" (raises when Triton is missing)."""
+    if choice == "torch":
+        return TORCH_BACKEND
+    from qerl_lib.kernels.nvfp4_backends import make_backend, make_dequant_backend
+
+    if choice == "triton-dq":
+        return make_dequant_backend()
+    if choice == "triton":
+        return make_backend()
+    return split_by_rows(make_backend(), TORCH_BACKEND, DENSE_ABOVE_ROWS)
+
+
 def _choose_backend(device: torch.device) -> None:
     """First NVFP4 matmul on a device type: pick its backend and log the choice once."""
     choice = os.environ.get("QERL_NVFP4_BACKEND", "").strip().lower()
@@ -147,26 +170,12 @@ def _choose_backend(device: torch.device) -> None:
     try:
         if torch.cuda.get_device_capability(device) < (8, 0):
             raise RuntimeError(f"compute capability {torch.cuda.get_device_capability(device)} < 8.0")
-        from qerl_lib.kernels.nvfp4_triton import make_backend, make_dequant_backend
-
-        backend = make_backend()
+        _BACKENDS["cuda"] = cuda_backend(choice)
     except Exception as e:  # no Triton, an old GPU, a broken install: the torch path still works
         log.warning("NVFP4 matmul on cuda: pure-PyTorch dequantize + matmul (Triton kernels unavailable: %s: %s)",
                     type(e).__name__, e)
         return
-    if choice == "triton-dq":
-        _BACKENDS["cuda"] = make_dequant_backend()
-        log.info("NVFP4 matmul on cuda: one Triton dequantization kernel per call + cuBLAS at every size "
-                 "(QERL_NVFP4_BACKEND=triton-dq)")
-        return
-    if choice == "triton":
-        _BACKENDS["cuda"] = backend
-        log.info("NVFP4 matmul on cuda: fused Triton dequantize-and-multiply kernels at every size "
-                 "(QERL_NVFP4_BACKEND=triton)")
-        return
-    _BACKENDS["cuda"] = split_by_rows(backend, TORCH_BACKEND, DENSE_ABOVE_ROWS)
-    log.info("NVFP4 matmul on cuda: fused Triton dequantize-and-multiply kernels up to %d rows per call, "
-             "dequantize once + cuBLAS above (qerl_lib.kernels.nvfp4_triton)", DENSE_ABOVE_ROWS)
+    log.info("NVFP4 matmul on cuda: %s", _CHOICE_LOG.get(choice, _CHOICE_LOG[""]))
 
 
 def get_matmul_backend(device: torch.device | str) -> MatmulBackend:

@@ -67,6 +67,7 @@ def _random_nvfp4(n: int, k: int, gen: torch.Generator, device="cpu"):
 
 def _interpreter_checks() -> dict[str, dict]:
     """Every CPU check; returns {name: {"ok": bool, "detail": str}}. Needs TRITON_INTERPRET=1."""
+    from qerl_lib.kernels import nvfp4_backends as kb
     from qerl_lib.kernels import nvfp4_triton as kt
     from qerl_lib.nvfp4 import dequantize_nvfp4
     from qerl_lib.nvfp4_linear import NVFP4Linear, TORCH_BACKEND, MatmulBackend, register_matmul_backend
@@ -117,7 +118,7 @@ def _interpreter_checks() -> dict[str, dict]:
     layer = NVFP4Linear.from_tensors(p, s, gs, bias=torch.randn(40, generator=gen))
     x = torch.randn(2, 5, 96, generator=gen).to(torch.float16)
     outs = {}
-    for name, backend in (("torch", TORCH_BACKEND), ("triton", kt.make_backend())):
+    for name, backend in (("torch", TORCH_BACKEND), ("triton", kb.make_backend())):
         register_matmul_backend("cpu", backend)
         xi = x.clone().requires_grad_(True)
         y = layer(xi)
@@ -129,7 +130,7 @@ def _interpreter_checks() -> dict[str, dict]:
 
     # The dequantize-once backend multiplies by the very W the torch backend builds (fp16: the
     # interpreter's dequantization is bit-exact there), so its outputs are identical.
-    dq = kt.make_dequant_backend()
+    dq = kb.make_dequant_backend()
     for m, n, k in INTERP_SHAPES[:3]:
         p, s, gs = _random_nvfp4(n, k, gen)
         x = torch.randn(m, k, generator=gen).to(torch.float16)
@@ -138,7 +139,7 @@ def _interpreter_checks() -> dict[str, dict]:
         same = (torch.equal(dq.forward(x, p, s, gs, bias), TORCH_BACKEND.forward(x, p, s, gs, bias))
                 and torch.equal(dq.grad_input(dy, p, s, gs), TORCH_BACKEND.grad_input(dy, p, s, gs)))
         record(f"dequant_backend_equals_torch[{m}x{n}x{k}]", same and dq.name == "triton-dq")
-    assert isinstance(kt.make_backend(), MatmulBackend)
+    assert isinstance(kb.make_backend(), MatmulBackend)
     return results
 
 

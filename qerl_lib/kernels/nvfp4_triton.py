@@ -299,7 +299,7 @@ def _nvfp4_grad_input_kernel(
 def _nvfp4_dequant_kernel(
     p_ptr, e_ptr, w_ptr, N, K, stride_pn, stride_en, stride_wn, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """W[N, K] written densely: the tile dequantization of the GEMMs, exposed for tests only."""
+    """W[N, K] written densely: the tile dequantization of the GEMMs (`nvfp4_dequantize_triton`)."""
     OUT_DTYPE: tl.constexpr = w_ptr.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     k0 = tl.program_id(1) * BLOCK_K
@@ -515,7 +515,8 @@ def nvfp4_grad_input(
 def nvfp4_dequantize_triton(
     packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
 ) -> torch.Tensor:
-    """Dense W [N, K] through the GEMMs' tile dequantization (tests: must equal `dequantize_nvfp4`)."""
+    """Dense W [N, K] through the GEMMs' tile dequantization, in one kernel: equal to `dequantize_nvfp4`
+    (the dequantize-once backend of `qerl_lib.kernels.nvfp4_backends` and the tests use it)."""
     n, half_k = packed.shape
     k = 2 * half_k
     w = torch.empty((n, k), dtype=dtype, device=packed.device)
@@ -533,78 +534,3 @@ def tuned_configs() -> dict[str, dict[str, str]]:
     for name, tuner in (("forward", _fwd_tuned), ("grad_input", _grad_tuned)):
         out[name] = {str(key): str(cfg) for key, cfg in tuner.cache.items()}
     return out
-
-
-# ---------------------------------------------------------------------------------------
-# The NVFP4Linear backend
-# ---------------------------------------------------------------------------------------
-
-
-def _forward(x, packed, scale, global_scale, bias):
-    if x.dtype not in (torch.bfloat16, torch.float16):  # float32 compute: keep torch's numerics
-        from qerl_lib.nvfp4_linear import torch_matmul_forward
-
-        return torch_matmul_forward(x, packed, scale, global_scale, bias)
-    if not x.is_cuda:  # the interpreter (tests)
-        return nvfp4_matmul(x, packed, scale, global_scale, bias)
-    with torch.cuda.device(x.device):  # Triton launches on the current device
-        return nvfp4_matmul(x, packed, scale, global_scale, bias)
-
-
-def _grad_input(grad_y, packed, scale, global_scale):
-    if grad_y.dtype not in (torch.bfloat16, torch.float16):
-        from qerl_lib.nvfp4_linear import torch_matmul_grad_input
-
-        return torch_matmul_grad_input(grad_y, packed, scale, global_scale)
-    if not grad_y.is_cuda:
-        return nvfp4_grad_input(grad_y, packed, scale, global_scale)
-    with torch.cuda.device(grad_y.device):
-        return nvfp4_grad_input(grad_y, packed, scale, global_scale)
-
-
-def make_backend():
-    """The `MatmulBackend` that NVFP4Linear registers for CUDA (float32 inputs fall back to torch)."""
-    from qerl_lib.nvfp4_linear import MatmulBackend
-
-    return MatmulBackend("triton", _forward, _grad_input)
-
-
-# Dequantize once per call, then cuBLAS: the plain path's algorithm with its several PyTorch ops
-# (unpack, code lookup, float32 scale product, cast) replaced by one kernel. It makes a transient
-# 16-bit copy of the one weight in use, as bitsandbytes' NF4 path does; session 5 measured NF4 at
-# 1.04x BF16 per training step at micro-batch 2 where the fused kernels took 1.34x
-# (docs/kernels.md). Opt-in (QERL_NVFP4_BACKEND=triton-dq) until it is measured on the GPU.
-
-
-def _dequantized_like(t: torch.Tensor, packed, scale, global_scale) -> torch.Tensor:
-    """W [N, K] in t's dtype, by `nvfp4_dequantize_triton` on t's device."""
-    if not t.is_cuda:  # the interpreter (tests)
-        return nvfp4_dequantize_triton(packed, scale, global_scale, t.dtype)
-    with torch.cuda.device(t.device):
-        return nvfp4_dequantize_triton(packed, scale, global_scale, t.dtype)
-
-
-def _dq_forward(x, packed, scale, global_scale, bias):
-    """y [M, N] = x [M, K] @ W.T + bias, W dequantized by one kernel for this call only."""
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        from qerl_lib.nvfp4_linear import torch_matmul_forward
-
-        return torch_matmul_forward(x, packed, scale, global_scale, bias)
-    w = _dequantized_like(x, packed, scale, global_scale)
-    return torch.nn.functional.linear(x, w, None if bias is None else bias.to(x.dtype))
-
-
-def _dq_grad_input(grad_y, packed, scale, global_scale):
-    """grad_x [M, K] = grad_y [M, N] @ W [N, K], W dequantized again by one kernel."""
-    if grad_y.dtype not in (torch.bfloat16, torch.float16):
-        from qerl_lib.nvfp4_linear import torch_matmul_grad_input
-
-        return torch_matmul_grad_input(grad_y, packed, scale, global_scale)
-    return grad_y @ _dequantized_like(grad_y, packed, scale, global_scale)
-
-
-def make_dequant_backend():
-    """The dequantize-once `MatmulBackend`: one Triton dequantization kernel per call, then cuBLAS."""
-    from qerl_lib.nvfp4_linear import MatmulBackend
-
-    return MatmulBackend("triton-dq", _dq_forward, _dq_grad_input)
