@@ -12,7 +12,10 @@ Three modes, each writing one JSON file (with the exact command, device and vers
     bf16          a BF16 base (nn.Linear)
     nf4           bitsandbytes NF4 + double quant (QLoRA), when bitsandbytes imports
   An arm name with `:full` (e.g. `bf16:full`) measures the same with the log-probs taken from
-  the full [B, T, V] logits instead of chunk by chunk (`qerl_lib.head_logprobs`), side by side.
+  the full [B, T, V] logits instead of chunk by chunk (`qerl_lib.head_logprobs`), side by side;
+  with `:offload` (e.g. `bf16:offload`) the checkpointed layer inputs wait in pinned host memory
+  between forward and backward (`qerl_lib.checkpointing`, `optim.offload_activations`), and its
+  ratios are taken against `bf16:offload`.
   The step is the trainer's own: `qerl_lib.trainer.policy_logprobs` under
   `training_attention`, and a token-mean loss, backward with
   non-reentrant gradient checkpointing (`--no-grad-ckpt` turns it off). Median of
@@ -152,13 +155,13 @@ def build_model(shape: str, quant: str, layers: int | None, device: torch.device
 
 
 def add_lora(model, grad_ckpt: bool):
+    from qerl_lib.checkpointing import enable_checkpointing
     from qerl_lib.config import LoraConfig
     from qerl_lib.lora import apply_lora
 
     peft_model = apply_lora(model, LoraConfig(r=16, alpha=32.0))
     if grad_ckpt:  # as qerl_lib.trainer does
-        peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        peft_model.enable_input_require_grads()
+        enable_checkpointing(peft_model)
     peft_model.train()
     return peft_model
 
@@ -239,11 +242,17 @@ def logprob_step(model, batch) -> float:
     return float(loss.detach())
 
 
+VARIANTS = ("", ":full", ":offload")
+"""Arm suffixes: none = the trainer's path (chunked log-probs); ':full' = log-probs from the full
+logits; ':offload' = chunked, with the checkpointed layer inputs in pinned host memory
+(`optim.offload_activations`)."""
+
+
 def arm_parts(arm: str) -> tuple[str, str | None, str]:
     """'nvfp4-triton:full' -> ('nvfp4', 'triton', 'full'); 'bf16' -> ('bf16', None, 'chunked')."""
-    name, _, logits = arm.partition(":")
+    name, _, variant = arm.partition(":")
     quant, _, backend = name.partition("-")
-    return quant, backend or None, logits or "chunked"
+    return quant, backend or None, variant or "chunked"
 
 
 def set_logprobs(mode: str):
@@ -278,6 +287,8 @@ def time_steps(model, batch, warmup: int, repeats: int) -> dict:
 
 
 def mode_step(args, device) -> dict:
+    from qerl_lib.checkpointing import enable_checkpointing
+
     cfg = qwen_config(args.shape, args.layers)
     seq = args.prompt + args.completion
     out = {"arms": {}, "config": {
@@ -308,10 +319,12 @@ def mode_step(args, device) -> dict:
         built = {"build_s": round(time.time() - t0, 1), "base_weight_bytes": base_weight_bytes(model),
                  "lora_bytes": lora_bytes(model), "allocated_after_build": torch.cuda.memory_allocated() - before}
         for arm in group:
-            _, backend, logits = arm_parts(arm)
+            _, backend, variant = arm_parts(arm)
             if backend is not None:
                 set_backend(backend)
-            set_logprobs(logits)
+            set_logprobs("full" if variant == "full" else "chunked")
+            if args.grad_ckpt:
+                enable_checkpointing(model, offload=variant == "offload")
             res = dict(built, micro_batch={})
             for mb in args.micro_batches:
                 batch = make_batch(mb, args.prompt, args.completion, cfg.vocab_size, device)
@@ -336,12 +349,13 @@ def mode_step(args, device) -> dict:
             if "ms_median" in r:
                 row[arm] = {"ms": round(r["ms_median"], 1), "peak_gib": r["peak_gib"]}
         for arm, r in row.items():
-            logits = arm_parts(arm)[2]
-            bf = row.get("bf16" if logits == "chunked" else "bf16:full")  # against BF16 on the same log-prob path
+            variant = arm_parts(arm)[2]
+            suffix = "" if variant == "chunked" else ":" + variant
+            bf = row.get("bf16" + suffix)  # against BF16 on the same log-prob and offload path
             if bf:
                 r["time_vs_bf16"] = round(r["ms"] / bf["ms"], 3)
                 r["peak_vs_bf16"] = round(r["peak_gib"] / bf["peak_gib"], 3)
-            torch_arm = "nvfp4-torch" + ("" if logits == "chunked" else ":full")
+            torch_arm = "nvfp4-torch" + suffix
             if arm.startswith("nvfp4-triton") and torch_arm in row:
                 r["speedup_vs_torch_dequant"] = round(row[torch_arm]["ms"] / r["ms"], 3)
             full = row.get(arm + ":full")
@@ -549,8 +563,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--completion", type=int, default=2048)
     ap.add_argument("--arms", nargs="+", default=["nvfp4-triton", "nvfp4-torch", "bf16", "nf4"],
-                    choices=[a + s for a in ("nvfp4-triton", "nvfp4-torch", "nvfp4-auto", "nvfp4-dq", "bf16", "nf4") for s in ("", ":full")],
-                    help="step: ARM[:full]; ':full' computes the log-probs from the full logits (the old path)")
+                    choices=[a + s for a in ("nvfp4-triton", "nvfp4-torch", "nvfp4-auto", "nvfp4-dq", "bf16", "nf4") for s in VARIANTS],
+                    help="step: ARM[:full|:offload]; ':full' computes the log-probs from the full logits (the old path), "
+                         "':offload' keeps the checkpointed layer inputs in host memory")
     ap.add_argument("--no-grad-ckpt", dest="grad_ckpt", action="store_false")
     ap.add_argument("--sweep", action="store_true", help="linears: also time every prefill configuration")
     ap.add_argument("--warmup", type=int, default=1)

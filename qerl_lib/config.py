@@ -194,6 +194,10 @@ class OptimConfig(_Section):
     """Use bitsandbytes' 8-bit AdamW when bitsandbytes is importable on CUDA."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
+    offload_activations: bool = False
+    """With gradient checkpointing: keep each decoder layer's checkpointed input in pinned host
+    memory between forward and backward (`qerl_lib.checkpointing`); saves L x B x T x H x 2 bytes
+    of GPU memory for two PCIe copies of it per step."""
 
 
 class AQNConfig(_Section):
@@ -337,6 +341,9 @@ class QerlConfig(_Section):
             raise ValueError(
                 f"lora.r={self.lora.r} exceeds rollout.vllm_max_lora_rank={self.rollout.vllm_max_lora_rank}"
             )
+        if self.optim.offload_activations and not self.optim.gradient_checkpointing:
+            raise ValueError("optim.offload_activations=true needs optim.gradient_checkpointing=true "
+                             "(it offloads the checkpointed layer inputs)")
         return self
 
     @model_validator(mode="after")

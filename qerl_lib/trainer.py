@@ -148,6 +148,7 @@ def train_on_rollouts(policy, optimizer, scheduler, rows: list[dict], cfg: QerlC
     `qerl_lib.distributed.DistContext`, this rank runs every world_size-th micro-batch and the
     gradients and metric sums are summed over the group (same result on every rank).
     """
+    from qerl_lib.checkpointing import enable_checkpointing
     from qerl_lib.distributed import all_reduce_grads, all_reduce_sums, shard
     from qerl_lib.losses import LOSSES, LossNorm, add_stats
     from qerl_lib.optim import clip_grad_norm
@@ -160,8 +161,7 @@ def train_on_rollouts(policy, optimizer, scheduler, rows: list[dict], cfg: QerlC
     pad = policy.tokenizer.pad_token_id
     use_ref = (cfg.algo.loss == "grpo" and cfg.algo.beta > 0) or cfg.algo.kl_metric
     if cfg.optim.gradient_checkpointing and not getattr(model, "is_gradient_checkpointing", False):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
+        enable_checkpointing(model, offload=cfg.optim.offload_activations)
     minis = [[rows[i] for i in idx] for idx in _chunks(len(rows), cfg.algo.mini_batches)]
     micro = [[b for b in (build_batch(m[i:i + mbs], pad, policy.device) for i in range(0, len(m), mbs))]
              for m in minis]
