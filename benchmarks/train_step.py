@@ -390,6 +390,10 @@ def mode_grpo32b(args, device) -> dict:
     torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     model = add_lora(build_model(shape, "nvfp4", args.layers, device), True)
+    if args.offload:
+        from qerl_lib.checkpointing import enable_checkpointing
+
+        enable_checkpointing(model, offload=True)
     build_s = time.time() - t0
     build_peak = torch.cuda.max_memory_allocated()
     weights, lora = base_weight_bytes(model), lora_bytes(model)
@@ -435,7 +439,8 @@ def mode_grpo32b(args, device) -> dict:
     out = {
         "config": {"shape": f"Qwen2.5-{shape.upper()}", "layers": cfg.num_hidden_layers, "micro_batch": mb,
                    "prompt": args.prompt, "completion": args.completion, "sequence": args.prompt + args.completion,
-                   "gradient_checkpointing": "non-reentrant, every decoder layer",
+                   "gradient_checkpointing": "reentrant, every decoder layer, inputs offloaded to pinned host memory"
+                   if args.offload else "non-reentrant, every decoder layer",
                    "base": "packed NVFP4 (random codes/scales built on the GPU; embeddings and lm_head bf16)",
                    "matmul": "fused Triton kernels" if args.arms[0] != "nvfp4-torch" else "plain PyTorch dequant",
                    "lora": "r16 alpha32, 7 projections, float32", "optimizer": type(optimizer).__module__ + "." + type(optimizer).__name__,
@@ -562,11 +567,13 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batches", type=int, nargs="+", default=None, help="default: 2 8 (grpo32b: 2)")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--completion", type=int, default=2048)
-    ap.add_argument("--arms", nargs="+", default=["nvfp4-triton", "nvfp4-torch", "bf16", "nf4"],
+    ap.add_argument("--arms", nargs="+", metavar="ARM", default=["nvfp4-triton", "nvfp4-torch", "bf16", "nf4"],
                     choices=[a + s for a in ("nvfp4-triton", "nvfp4-torch", "nvfp4-auto", "nvfp4-dq", "bf16", "nf4") for s in VARIANTS],
                     help="step: ARM[:full|:offload]; ':full' computes the log-probs from the full logits (the old path), "
                          "':offload' keeps the checkpointed layer inputs in host memory")
     ap.add_argument("--no-grad-ckpt", dest="grad_ckpt", action="store_false")
+    ap.add_argument("--offload", action="store_true",
+                    help="grpo32b: keep the checkpointed layer inputs in pinned host memory (optim.offload_activations)")
     ap.add_argument("--sweep", action="store_true", help="linears: also time every prefill configuration")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
