@@ -372,6 +372,12 @@ _grad_tuned = triton.autotune(
     "EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0,
 })(_nvfp4_grad_input_kernel))
 
+# The dequantization kernel is a copy with arithmetic: bigger tiles mean longer contiguous rows of
+# packed bytes and of bf16 output per program.
+DQ_CONFIGS = [triton.Config({"BLOCK_R": r, "BLOCK_K": k}, num_warps=w)
+              for r, k, w in ((16, 64, 4), (32, 128, 4), (64, 128, 4), (32, 256, 4), (64, 256, 8), (128, 128, 8))]
+_dq_tuned = triton.autotune(configs=DQ_CONFIGS, key=["N", "K"], do_bench=_bench)(_nvfp4_dequant_kernel)
+
 # what runs when the autotuner is bypassed (interpreter, or an explicit `config`)
 INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}
 
@@ -522,15 +528,18 @@ def nvfp4_dequantize_triton(
     w = torch.empty((n, k), dtype=dtype, device=packed.device)
     if n and k:
         packed, eff = _check(packed, scale, global_scale, k)
-        br, bk = 16, 64
-        _nvfp4_dequant_kernel[(triton.cdiv(n, br), triton.cdiv(k, bk))](
-            packed, eff, w, n, k, packed.stride(0), eff.stride(0), w.stride(0), BLOCK_R=br, BLOCK_K=bk)
+        args = (packed, eff, w, n, k, packed.stride(0), eff.stride(0), w.stride(0))
+        if interpreter_mode():
+            _nvfp4_dequant_kernel[(triton.cdiv(n, 16), triton.cdiv(k, 64))](*args, BLOCK_R=16, BLOCK_K=64)
+        else:
+            grid = lambda meta: (triton.cdiv(n, meta["BLOCK_R"]), triton.cdiv(k, meta["BLOCK_K"]))  # noqa: E731
+            _dq_tuned[grid](*args)
     return w
 
 
 def tuned_configs() -> dict[str, dict[str, str]]:
     """The configuration the autotuner chose per key, for each kernel (for benchmark records)."""
     out = {}
-    for name, tuner in (("forward", _fwd_tuned), ("grad_input", _grad_tuned)):
+    for name, tuner in (("forward", _fwd_tuned), ("grad_input", _grad_tuned), ("dequantize", _dq_tuned)):
         out[name] = {str(key): str(cfg) for key, cfg in tuner.cache.items()}
     return out
