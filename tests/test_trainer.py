@@ -114,3 +114,24 @@ def test_a_step_with_no_kept_group_keeps_the_adapter_and_reports_no_kl(scored_wo
     before, after = _adapter(layout, 0), _adapter(work, 1)
     for k in before:
         assert torch.equal(before[k], after[k]), k
+
+
+def test_offloaded_checkpointing_trains_the_same_adapter(scored_workspace, tmp_path):
+    """optim.offload_activations moves the checkpointed layer inputs to the host; the update is the same."""
+    from qerl_lib.stages import update_stage
+
+    cfg, layout = scored_workspace
+    adapters = {}
+    for offload in (False, True):
+        work = copy_workspace(layout, tmp_path / f"w{offload}")
+        c = cfg.model_copy(deep=True)
+        c.run.root = str(work.root)
+        c.optim.gradient_checkpointing = True
+        c.optim.offload_activations = offload
+        m = update_stage(c, work, 0)
+        assert m["optimizer_steps"] > 0
+        adapters[offload] = _adapter(work, 1)
+    before = _adapter(layout, 0)
+    assert any(not torch.equal(before[k], adapters[True][k]) for k in before)
+    for k in before:
+        assert torch.allclose(adapters[True][k], adapters[False][k], rtol=1e-4, atol=1e-6), k
