@@ -490,16 +490,25 @@ def driver(args) -> None:
 
 
 def merge(paths: list[str], out: str) -> None:
-    """Combine the engines of several runs (same settings) into one result; commands are kept in order."""
+    """Combine the engines of several runs (same settings) into one result; commands are kept in order.
+
+    An engine measured in several runs keeps the cells of all of them (a later run's cell replaces an
+    earlier one of the same LoRA rank and batch); each cell records its run's index in `run`.
+    """
     runs = [json.loads(Path(p).read_text()) for p in paths]
     res = dict(runs[0])
     res["command"] = [r["command"] for r in runs]
     res["runs"] = [{k: r.get(k) for k in ("command", "started", "seconds", "dense_above", "errors")} for r in runs]
     res["engines"] = {}
-    for r in runs:
+    for i, r in enumerate(runs):
         for spec, e in r["engines"].items():
-            if e.get("cells") or spec not in res["engines"]:
-                res["engines"][spec] = e
+            cells = [dict(c, run=i) for c in e.get("cells", [])]
+            if spec not in res["engines"] or not res["engines"][spec].get("cells"):
+                res["engines"][spec] = dict(e, cells=cells)
+            elif cells:
+                mine = {(c["lora_rank"], c["batch"]): c for c in res["engines"][spec]["cells"]}
+                mine.update({(c["lora_rank"], c["batch"]): c for c in cells})
+                res["engines"][spec] = dict(e, cells=sorted(mine.values(), key=lambda c: (c["lora_rank"], c["batch"])))
         for key in ("copy_bandwidth", "gemm_profile", "synthetic_checkpoint"):
             if key in r and key not in res:
                 res[key] = r[key]

@@ -7,7 +7,7 @@ Three modes, each writing one JSON file (with the exact command, device and vers
   (prompt 256 + completion 2048), for each micro-batch in `--micro-batches`, for the arms
     nvfp4-triton  packed NVFP4 base, fused Triton dequantize-and-multiply kernels
     nvfp4-torch   the same packed base, plain PyTorch dequantization per call
-    nvfp4-auto    the layer's own choice: the kernels up to `DENSE_ABOVE_ROWS` rows per call, plain above
+    nvfp4-auto    the layer's own choice: the kernels up to `DENSE_ABOVE_ROWS` rows per call, nvfp4-dq above
     nvfp4-dq      dequantize once per call with one Triton kernel, then cuBLAS (QERL_NVFP4_BACKEND=triton-dq)
     bf16          a BF16 base (nn.Linear)
     nf4           bitsandbytes NF4 + double quant (QLoRA), when bitsandbytes imports

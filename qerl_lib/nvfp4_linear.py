@@ -13,8 +13,8 @@ pure-PyTorch backend here dequantizes with `qerl_lib.nvfp4.dequantize_nvfp4` and
 dequantized weight. On CUDA the first NVFP4 matmul registers the fused Triton kernels of
 `qerl_lib.kernels.nvfp4_triton` (dequantize-and-multiply per tile, no 16-bit W in global
 memory; docs/kernels.md) when Triton imports and the GPU has bf16 tensor cores (sm_80+), for
-calls of up to `DENSE_ABOVE_ROWS` rows; larger calls dequantize W once per call (see there);
-the choice is logged once per device type. `QERL_NVFP4_BACKEND=torch` keeps the pure-PyTorch
+calls of up to `DENSE_ABOVE_ROWS` rows; larger calls (every training call) dequantize W once per
+call with one Triton kernel and run cuBLAS (see there); the choice is logged once per device type. `QERL_NVFP4_BACKEND=torch` keeps the pure-PyTorch
 path on CUDA at every size, `QERL_NVFP4_BACKEND=triton` the kernels at every size,
 `QERL_NVFP4_BACKEND=triton-dq` one Triton dequantization kernel per call then cuBLAS; an explicit
 `register_matmul_backend` call always wins. The CPU keeps
@@ -87,14 +87,19 @@ def torch_matmul_grad_input(
 
 TORCH_BACKEND = MatmulBackend("torch", torch_matmul_forward, torch_matmul_grad_input)
 
-DENSE_ABOVE_ROWS = 6144
+DENSE_ABOVE_ROWS = 1024
 """Rows (tokens) per call above which CUDA dequantizes W once per call instead of per tile.
 
 The fused kernels dequantize each W tile once per 256-row tile of x, so their cost grows with M;
-the plain path pays one dequantization per call (a transient 16-bit W of one linear, at most
-136 MB for Qwen2.5-7B's gate/up) and then runs cuBLAS. Measured on the H200 for one Qwen2.5-7B
-layer's seven linears, forward + input gradient: fused 11.11 / 43.36 ms, plain 12.22 / 30.83 ms at
-4608 / 18432 tokens (`benchmarks/results/train_step_linears.json`); the lines cross near 5700."""
+the dequantize-once backend ("triton-dq") pays one Triton dequantization kernel per call (a
+transient 16-bit W of one linear, at most 136 MB for Qwen2.5-7B's gate/up) and then runs cuBLAS.
+Measured on the H200 for one Qwen2.5-7B layer's seven linears, forward + input gradient
+(`benchmarks/results/train_step_linears_dq.json`): fused 11.23 / 43.28 ms, dequantize-once
+6.30 / 25.44 ms, BF16 5.55 / 23.71 ms at 4608 / 18432 tokens. Dequantize-once costs BF16 plus about
+0.75 ms per layer, the fused kernels BF16 plus about 1.23 ms per 1000 rows, so the two cross near
+600 rows (an estimate: no size between 1 and 4608 rows was timed). 1024 keeps the fused kernels,
+which never hold a 16-bit W, for decode-sized calls; training calls (micro-batch x sequence) are
+far above it."""
 
 
 def split_by_rows(small: MatmulBackend, large: MatmulBackend, above: int) -> MatmulBackend:
@@ -135,7 +140,7 @@ _CHOICE_LOG = {
     "triton-dq": "one Triton dequantization kernel per call + cuBLAS at every size (QERL_NVFP4_BACKEND=triton-dq)",
     "triton": "fused Triton dequantize-and-multiply kernels at every size (QERL_NVFP4_BACKEND=triton)",
     "": f"fused Triton dequantize-and-multiply kernels up to {DENSE_ABOVE_ROWS} rows per call, "
-        "dequantize once + cuBLAS above (qerl_lib.kernels.nvfp4_triton)",
+        "one Triton dequantization kernel + cuBLAS above (qerl_lib.kernels.nvfp4_backends)",
 }
 
 
@@ -151,7 +156,7 @@ def cuda_backend(choice: str) -> MatmulBackend:
         return make_dequant_backend()
     if choice == "triton":
         return make_backend()
-    return split_by_rows(make_backend(), TORCH_BACKEND, DENSE_ABOVE_ROWS)
+    return split_by_rows(make_backend(), make_dequant_backend(), DENSE_ABOVE_ROWS)
 
 
 def _choose_backend(device: torch.device) -> None:

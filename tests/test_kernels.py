@@ -270,7 +270,7 @@ def test_gpu_nvfp4linear_uses_triton_and_autograd(caplog):
     with caplog.at_level(logging.INFO, logger="qerl_lib.nvfp4_linear"):
         backend = nl.get_matmul_backend("cuda")
         nl.get_matmul_backend("cuda")
-    assert backend.name == f"triton<={nl.DENSE_ABOVE_ROWS}<torch"
+    assert backend.name == f"triton<={nl.DENSE_ABOVE_ROWS}<triton-dq"
     assert sum("NVFP4 matmul on cuda" in r.getMessage() for r in caplog.records) == 1  # logged once
 
     gen = torch.Generator().manual_seed(3)

@@ -60,3 +60,28 @@ def test_run_child_kills_the_whole_process_group_on_timeout(tmp_path):
     else:
         raise AssertionError(f"grandchild {grandchild} survived the timeout")
     assert rt.run_child([sys.executable, "-c", "raise SystemExit(3)"], timeout=30) == 3
+
+
+def _cell(batch: int, tok_s: float) -> dict:
+    stat = {"median": tok_s, "min": tok_s, "max": tok_s, "n": 1}
+    return {"batch": batch, "lora_rank": 16, "prompt": 256, "decode": 512, "decode_tok_s": stat, "e2e_tok_s": stat}
+
+
+def _engine(fmt: str, cells: list[dict]) -> dict:
+    return {"format": fmt, "max_lora_rank": 16, "cells": cells}
+
+
+def test_merge_keeps_the_cells_of_an_engine_measured_in_two_runs(tmp_path):
+    import json
+
+    a = {"command": "run a", "engines": {"nf4-r16": _engine("nf4", [_cell(1, 140.0), _cell(256, 11000.0)]),
+                                         "bf16-r16": _engine("bf16", [_cell(1, 150.0)])}}
+    b = {"command": "run b", "engines": {"bf16-r16": _engine("bf16", [_cell(256, 18000.0)])}}
+    for name, run in (("a.json", a), ("b.json", b)):
+        (tmp_path / name).write_text(json.dumps(run))
+    rt.merge([str(tmp_path / "a.json"), str(tmp_path / "b.json")], str(tmp_path / "m.json"))
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert m["command"] == ["run a", "run b"]
+    assert [(c["batch"], c["run"]) for c in m["engines"]["bf16-r16"]["cells"]] == [(1, 0), (256, 1)]
+    ratio = {(r["engine"], r["batch"]): r.get("over_bf16") for r in m["summary"]["rows"]}
+    assert ratio[("nf4-r16", 1)] == round(140 / 150, 3) and ratio[("nf4-r16", 256)] == round(11000 / 18000, 3)

@@ -22,7 +22,7 @@ def test_arm_parts(arm, parts):
 
 
 @pytest.mark.parametrize("backend, name", [
-    ("torch", "torch"), ("dq", "triton-dq"), ("auto", "triton<={rows}<torch"), ("triton", "triton"),
+    ("torch", "torch"), ("dq", "triton-dq"), ("auto", "triton<={rows}<triton-dq"), ("triton", "triton"),
 ])
 def test_set_backend_registers_the_named_cuda_backend(backend, name, monkeypatch):
     from qerl_lib import nvfp4_linear as nl
