@@ -433,6 +433,9 @@ def mode_grpo32b(args, device) -> dict:
                       "optimizer_state_bytes": opt_state})
         print(f"[grpo32b] step {step}: {steps[-1]}", flush=True)
         del batch, ref, logp, entropy, loss
+    from qerl_lib.nvfp4_linear import get_matmul_backend
+
+    matmul_backend = get_matmul_backend(device).name  # the layer's own choice, settled by the steps above
     peak = max(s["peak_bytes"] for s in steps)
     last = steps[-1]
     fixed = weights + lora + last["grad_bytes"] + last["optimizer_state_bytes"]
@@ -442,7 +445,7 @@ def mode_grpo32b(args, device) -> dict:
                    "gradient_checkpointing": "reentrant, every decoder layer, inputs offloaded to pinned host memory"
                    if args.offload else "non-reentrant, every decoder layer",
                    "base": "packed NVFP4 (random codes/scales built on the GPU; embeddings and lm_head bf16)",
-                   "matmul": "fused Triton kernels" if args.arms[0] != "nvfp4-torch" else "plain PyTorch dequant",
+                   "matmul": matmul_backend,
                    "lora": "r16 alpha32, 7 projections, float32", "optimizer": type(optimizer).__module__ + "." + type(optimizer).__name__,
                    "loss": f"{algo.loss} (eps {algo.eps_low}/{algo.eps_high}, tis_cap {algo.tis_cap}) + KL-metric pass",
                    "rollout_engine": "not resident (asleep: vLLM sleep mode releases weights and KV cache); not measured here"},
@@ -594,8 +597,10 @@ def main(argv=None) -> int:
               "versions": versions()}
     result.update({"step": mode_step, "grpo32b": mode_grpo32b, "linears": mode_linears}[args.mode](args, device))
     result["wall_seconds"] = round(time.time() - t0, 1)
+    from qerl_lib.io import atomic_write_text
+
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    atomic_write_text(args.out, json.dumps(result, indent=2) + "\n")
     print(json.dumps(result.get("summary") or result.get("breakdown_gib") or
                      {k: v.get("layer_fwd_plus_grad_ms") for k, v in result.get("micro_batch", {}).items()}, indent=1))
     return 0

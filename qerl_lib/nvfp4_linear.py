@@ -14,11 +14,11 @@ dequantized weight. On CUDA the first NVFP4 matmul registers the fused Triton ke
 `qerl_lib.kernels.nvfp4_triton` (dequantize-and-multiply per tile, no 16-bit W in global
 memory; docs/kernels.md) when Triton imports and the GPU has bf16 tensor cores (sm_80+), for
 calls of up to `DENSE_ABOVE_ROWS` rows; larger calls (every training call) dequantize W once per
-call with one Triton kernel and run cuBLAS (see there); the choice is logged once per device type. `QERL_NVFP4_BACKEND=torch` keeps the pure-PyTorch
-path on CUDA at every size, `QERL_NVFP4_BACKEND=triton` the kernels at every size,
-`QERL_NVFP4_BACKEND=triton-dq` one Triton dequantization kernel per call then cuBLAS; an explicit
-`register_matmul_backend` call always wins. The CPU keeps
-the pure-PyTorch path.
+call with one Triton kernel and run cuBLAS (see there); the choice is logged once per device type.
+`QERL_NVFP4_BACKEND=torch` keeps the pure-PyTorch path on CUDA at every size,
+`QERL_NVFP4_BACKEND=triton` the fused kernels at every size, `QERL_NVFP4_BACKEND=triton-dq` one
+Triton dequantization kernel per call then cuBLAS at every size; an explicit
+`register_matmul_backend` call always wins. The CPU keeps the pure-PyTorch path.
 
 Loaders:
 - `load_nvfp4_model(dir, dtype, device)` builds a causal LM from an llm-compressor
