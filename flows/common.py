@@ -10,7 +10,6 @@ the order of `qerl_lib.run.plan`, one Prefect task per stage (`tasks.stage.run_s
 from __future__ import annotations
 
 import base64
-import fcntl
 import json
 import math
 import os
@@ -57,35 +56,29 @@ def flow_lock(ws: Path, label: str) -> Iterator[None]:
     The kernel drops both when the holder dies (SIGKILL included): a killed flow never
     blocks the next one.
     """
-    path = ws / FLOW_LOCK
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    run_fd = None
+    from qerl_lib import locks
+
+    note = f"{label} (pid {os.getpid()})"
+    try:
+        fd = locks.acquire(ws / FLOW_LOCK, True, note)
+    except locks.Busy as e:
+        raise WorkspaceError(
+            f"workspace {ws} is in use by {e.holder}: a second run was not started. Wait for it to finish "
+            "(or kill it; running this again then resumes where it stopped), or use another workspace."
+        ) from None
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = path.read_text().strip() or "another flow"
+            run_fd = locks.acquire(locks.workspace_lock_path(ws), False, note)
+        except locks.Busy as e:
             raise WorkspaceError(
-                f"workspace {ws} is in use by {holder}: a second run was not started. Wait for it to finish "
-                "(or kill it; running this again then resumes where it stopped), or use another workspace."
+                f"workspace {ws} is in use by {e.holder} (a whole `qerl run`): the flow was not started"
             ) from None
-        run_lock = ws / ".qerl.lock"
-        run_fd = os.open(run_lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(run_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = run_lock.read_text().strip() or "another process"
-            raise WorkspaceError(
-                f"workspace {ws} is in use by {holder} (a whole `qerl run`): the flow was not started"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{label} (pid {os.getpid()})".encode(), 0)
-        yield
+            yield
+        finally:
+            locks.release(run_fd)
     finally:
-        if run_fd is not None:
-            os.close(run_fd)
-        os.close(fd)
+        locks.release(fd)
 
 
 def _qerl() -> list[str]:

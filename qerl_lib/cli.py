@@ -20,19 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-STAGES = ["prepare", "convert", "init_adapter", "rollout", "reward", "update", "eval", "report"]
-STEP_STAGES = {"rollout", "reward", "update", "eval"}
-
-
-def _telemetry_off() -> None:
-    for k, v in {
-        "DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DVC_NO_ANALYTICS": "1",
-        "VLLM_NO_USAGE_STATS": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false",
-        # MKL's default kernels may round differently with the memory alignment of a buffer,
-        # which differs between processes; strict CNR mode makes CPU stages repeat to the bit.
-        "MKL_CBWR": "AUTO,STRICT",
-    }.items():
-        os.environ.setdefault(k, v)
+from qerl_lib.stages.registry import NAMES as STAGES  # noqa: E402  (the one stage list)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -131,32 +119,10 @@ def _print_artifacts(console, cfg, layout) -> None:
 
 
 def stage_outputs(name: str, step: int | None, cfg, layout) -> list:
-    """Every file or directory stage `name` (at `step`) writes, as `qerl_lib.paths` places them
-    (dvc.yaml declares the same ones; tests/test_dvc.py checks that they agree)."""
-    from qerl_lib.report import PLOTS
+    """Every file or directory stage `name` (at `step`) writes (`qerl_lib.stages.registry`)."""
+    from qerl_lib.stages import registry
 
-    quant = cfg.model.quant
-    if name in STEP_STAGES and step is None:
-        raise ValueError(f"stage {name} needs a step")
-    if name == "prepare":
-        return [layout.prepared("train"), layout.prepared("test")]
-    if name == "convert":
-        return [layout.base_model, layout.checkpoint(quant)]
-    if name == "init_adapter":
-        return [layout.adapter(0)]
-    if name == "rollout":
-        return [layout.rollouts(step), layout.rollouts(step).with_name("provenance.json")]
-    if name == "reward":
-        return [layout.scored(step), layout.reward_metrics(step)]
-    if name == "update":
-        return [layout.adapter(step + 1), layout.update_metrics(step)]
-    if name == "eval":
-        return [layout.eval_samples(step), layout.eval_samples(step).with_name("provenance.json"),
-                layout.eval_metrics(step)]
-    if name == "report":
-        return [layout.report_metrics, layout.report_steps, layout.reports_dir / "eval.csv",
-                layout.reports_dir / "config.yaml", *(layout.reports_dir / "plots" / f"{p}.png" for p in PLOTS)]
-    raise ValueError(f"unknown stage {name!r}")
+    return registry.outputs(name, step, cfg.model.quant, layout)
 
 
 def _sweep_partial(outputs) -> list[Path]:
@@ -187,33 +153,19 @@ def _sweep_partial(outputs) -> list[Path]:
     return removed
 
 
-def _stage_lock(layout, label: str):
-    """A shared lock on the workspace lock file for one stage.
-
-    `qerl run` holds the same file exclusively (`qerl_lib.run.workspace_lock`), so a stage is
-    refused while a whole run works in the workspace and a run is refused while any stage does;
-    stages on different outputs (DVC, Prefect) may still run side by side. The kernel drops the
-    lock when its holder dies, so a killed stage never blocks the next one."""
-    import fcntl
-
+def _stage_lock(layout, label: str) -> int:
+    """A shared lock on the workspace lock file for one stage (`qerl_lib.locks`): refused while a
+    whole `qerl run` works in the workspace; stages on different outputs may run side by side."""
+    from qerl_lib import locks
     from qerl_lib.run import WorkspaceBusy
 
-    layout.root.mkdir(parents=True, exist_ok=True)
-    path = layout.root / ".qerl.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = path.read_text().strip() or "another process"
-        os.close(fd)
+        return locks.acquire(locks.workspace_lock_path(layout.root), False, f"qerl stage {label} (pid {os.getpid()})")
+    except locks.Busy as e:
         raise WorkspaceBusy(
-            f"workspace {layout.root} is in use by {holder} (a whole `qerl run`); "
+            f"workspace {layout.root} is in use by {e.holder} (a whole `qerl run`); "
             f"stage {label} was not started: wait for the run to finish or use another run.root"
         ) from None
-    # Only a hint for the message of a refused `qerl run` (several stages may overwrite it).
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"qerl stage {label} (pid {os.getpid()})".encode(), 0)
-    return fd
 
 
 def _writes_resolved_config(args, layout) -> bool:
@@ -230,10 +182,12 @@ def _writes_resolved_config(args, layout) -> bool:
 def cmd_stage(args) -> int:
     from qerl_lib.config import save_config
     from qerl_lib.paths import Layout
-    from qerl_lib.run import StageCall, run_call
+    from qerl_lib.run import run_call
+    from qerl_lib.stages import registry
 
     cfg = _load(args)
-    if args.name in STEP_STAGES and args.step is None:
+    stage = registry.get(args.name)
+    if stage.steps != "none" and args.step is None:
         raise SystemExit(f"qerl stage {args.name} needs --step")
     layout = Layout(cfg.run.root)
     label = args.name if args.step is None else f"{args.name}@{args.step}"
@@ -242,10 +196,11 @@ def cmd_stage(args) -> int:
         _sweep_partial(stage_outputs(args.name, args.step, cfg, layout))
         if _writes_resolved_config(args, layout):
             save_config(cfg, layout.config)
-        result = run_call(StageCall(args.name, args.step, layout.root), cfg, layout)
+        call = registry.Call(stage, args.step, layout.root)
+        result = run_call(call, cfg, layout)
     finally:
         os.close(lock)  # releases the shared lock
-    print(f"{args.name}{'' if args.step is None else '@' + str(args.step)}: {_summary(StageCall(args.name, args.step, layout.root), result) or 'done'}")
+    print(f"{call.label}: {_summary(call, result) or 'done'}")
     return 0
 
 
@@ -436,7 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _telemetry_off()
+    from qerl_lib import env
+
+    env.setup()
     args = build_parser().parse_args(argv)
     _setup_logging(args.verbose)
     from qerl_lib.config import ConfigError

@@ -294,13 +294,13 @@ class PlanConfig(_Section):
 
 
 def expected_plan(cfg: "QerlConfig") -> PlanConfig:
-    """The plan `qerl plan` writes for `cfg.run.steps` and `cfg.eval.every` (evals: `run.eval_steps`)."""
-    from qerl_lib.run import eval_steps
+    """The plan `qerl plan` writes for `cfg.run.steps` and `cfg.eval.every` (evals: `registry.eval_steps`)."""
+    from qerl_lib.stages.registry import eval_steps
 
     steps = cfg.run.steps
     return PlanConfig(
         steps=[PlanStep(step=i, prev=i - 1 if i else None, next=i + 1) for i in range(steps)],
-        evals=eval_steps(cfg),
+        evals=eval_steps(steps, cfg.eval.every),
     )
 
 

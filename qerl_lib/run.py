@@ -12,19 +12,18 @@ second one with a clear message (the kernel drops the lock if the holder is kill
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import yaml
 
 from qerl_lib.config import QerlConfig, config_to_dict, save_config
-from qerl_lib.paths import TRAINER_STATE, Layout
+from qerl_lib.paths import Layout
+from qerl_lib.stages import registry
 
 
 class WorkspaceBusy(RuntimeError):
@@ -35,89 +34,38 @@ class ConfigMismatch(RuntimeError):
     pass
 
 
-@dataclass(frozen=True)
-class StageCall:
-    name: str
-    step: int | None
-    done_marker: Path
-
-    @property
-    def label(self) -> str:
-        return self.name if self.step is None else f"{self.name}@{self.step}"
-
-
 def eval_steps(cfg: QerlConfig) -> list[int]:
     """Adapters to evaluate: 0 (the base), every `eval.every` steps, and the last."""
-    steps = {0, cfg.run.steps}
-    if cfg.eval.every:
-        steps.update(range(cfg.eval.every, cfg.run.steps, cfg.eval.every))
-    return sorted(steps)
+    return registry.eval_steps(cfg.run.steps, cfg.eval.every)
 
 
-def plan(cfg: QerlConfig, layout: Layout) -> list[StageCall]:
-    calls = [
-        StageCall("prepare", None, layout.prepared("test")),
-        StageCall("convert", None, layout.convert_report(cfg.model.quant)),
-        StageCall("init_adapter", None, layout.adapter(0) / TRAINER_STATE),
-    ]
-    evals = set(eval_steps(cfg))
-    for i in range(cfg.run.steps):
-        if i in evals:
-            calls.append(StageCall("eval", i, layout.eval_metrics(i)))
-        calls += [
-            StageCall("rollout", i, layout.rollouts(i)),
-            StageCall("reward", i, layout.reward_metrics(i)),
-            StageCall("update", i, layout.update_metrics(i)),
-        ]
-    calls.append(StageCall("eval", cfg.run.steps, layout.eval_metrics(cfg.run.steps)))
-    calls.append(StageCall("report", None, layout.report_metrics))
-    return calls
+def plan(cfg: QerlConfig, layout: Layout) -> list[registry.Call]:
+    """Every stage call of the run, in order (`qerl_lib.stages.registry.plan`)."""
+    return registry.plan(cfg.run.steps, cfg.eval.every, cfg.model.quant, layout)
 
 
-def run_call(call: StageCall, cfg: QerlConfig, layout: Layout, reuse_policy: bool = False):
-    from qerl_lib import stages
-    from qerl_lib.policy import get_policy
+def run_call(call: registry.Call, cfg: QerlConfig, layout: Layout, reuse_policy: bool = False):
+    """Run one stage call; with `reuse_policy`, the stage gets the policy this process keeps loaded."""
+    policy = None
+    if reuse_policy and call.stage.uses_policy:
+        from qerl_lib.policy import get_policy
 
-    def pol():
-        return get_policy(cfg, layout, reuse=True) if reuse_policy else None
-
-    if call.name == "prepare":
-        return stages.prepare_stage(cfg, layout)
-    if call.name == "convert":
-        return stages.convert_stage(cfg, layout)
-    if call.name == "init_adapter":
-        return stages.init_adapter_stage(cfg, layout)
-    if call.name == "rollout":
-        return stages.rollout_stage(cfg, layout, call.step, pol())
-    if call.name == "reward":
-        return stages.reward_stage(cfg, layout, call.step)
-    if call.name == "update":
-        return stages.update_stage(cfg, layout, call.step, pol())
-    if call.name == "eval":
-        return stages.eval_stage(cfg, layout, call.step, pol())
-    if call.name == "report":
-        return stages.report_stage(cfg, layout)
-    raise ValueError(f"unknown stage {call.name!r}")
+        policy = get_policy(cfg, layout, reuse=True)
+    return call.stage.run(cfg, layout, call.step, policy)
 
 
 @contextmanager
 def workspace_lock(layout: Layout) -> Iterator[None]:
-    layout.root.mkdir(parents=True, exist_ok=True)
-    path = layout.root / ".qerl.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    """The workspace's lock, exclusively: no stage, flow or other run works here meanwhile."""
+    from qerl_lib import locks
+
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = Path(path).read_text().strip() or "another process"
-            raise WorkspaceBusy(
-                f"workspace {layout.root} is in use by {holder}; wait for it to finish or use another run.root"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()}".encode())
-        yield
-    finally:
-        os.close(fd)
+        with locks.held(locks.workspace_lock_path(layout.root), True, f"pid {os.getpid()}"):
+            yield
+    except locks.Busy as e:
+        raise WorkspaceBusy(
+            f"workspace {layout.root} is in use by {e.holder}; wait for it to finish or use another run.root"
+        ) from None
 
 
 def check_config(cfg: QerlConfig, layout: Layout) -> None:
@@ -150,7 +98,7 @@ def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def run_all(cfg: QerlConfig, on_event: Callable[[str, StageCall, dict], None] | None = None) -> list[dict]:
+def run_all(cfg: QerlConfig, on_event: Callable[[str, registry.Call, dict], None] | None = None) -> list[dict]:
     """Run (or resume) the whole plan. Returns one timing record per executed call."""
     layout = Layout(cfg.run.root)
     records = []

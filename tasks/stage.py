@@ -49,18 +49,15 @@ from prefect.tasks import exponential_backoff
 
 from tasks.gpu import GpuBusy, gpu_slot
 
-GPU_STAGES = frozenset({"convert", "rollout", "update", "eval"})
+from qerl_lib.paths import Layout  # noqa: E402
+from qerl_lib.stages import registry  # noqa: E402  (light: paths only)
+
+GPU_STAGES = frozenset(s.name for s in registry.STAGES if s.gpu)
 RETRIES = 2
 BACKOFF_SECONDS = 10.0
 INPUT_ERROR_EXIT = 2  # the qerl CLI's exit status for bad input
 
-TELEMETRY_OFF = {
-    "DO_NOT_TRACK": "1",
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "DVC_NO_ANALYTICS": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "HF_HUB_DISABLE_TELEMETRY": "1",
-}
+from qerl_lib.env import TELEMETRY_OFF  # noqa: E402  (re-exported)
 
 # DVC refusals that a retry cannot change.
 _DVC_INPUT_ERRORS = (
@@ -180,24 +177,19 @@ def _qerl_error(lines: list[str]) -> str:
 
 
 def work_seconds(workspace: Path, stage: str) -> float | None:
-    """Seconds the stage measured for its own work, from the file it writes them to."""
-    name, _, step = stage.partition("@")
-    root = Path(workspace)
-    files = {
-        "rollout": [f"rollouts/step={step}/provenance.json"],
-        "update": [f"metrics/step={step}/update.json"],
-        "eval": [f"eval/step={step}/metrics.json"],
-    }.get(name, [])
-    for rel in files:
-        p = root / rel
+    """Seconds the stage measured for its own work, from the file it writes them to
+    (the registry's `seconds_file`; convert: its report's materialize + convert seconds)."""
+    st, step = registry.parse_label(stage)
+    lay = Layout(Path(workspace))
+    for p in st.seconds_file(lay, "", step) if st.seconds_file else []:
         try:
             value = json.loads(p.read_text()).get("seconds")
         except (OSError, ValueError, AttributeError):
             continue
         if isinstance(value, (int, float)):
             return float(value)
-    if name == "convert":
-        for p in sorted(root.glob("models/*/convert_report.json")):
+    if st.name == "convert":
+        for p in sorted(lay.root.glob("models/*/convert_report.json")):
             try:
                 rep = json.loads(p.read_text())
             except (OSError, ValueError):

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import ast
 import json
 import shutil
 from pathlib import Path
@@ -144,103 +143,32 @@ def test_stage_names_and_paths_agree_with_layout(dvc_repro_done):
     assert artifacts["report"] == {"rollouts", "rewards", "metrics", "eval"}
 
 
-# Modules that are no stage's dependency: the doors (the CLI, the local runner), the config
-# schema (params.yaml holds every value) and plumbing (atomic writes, the layout, progress bars).
-NOT_DEPS = {"qerl_lib/cli.py", "qerl_lib/run.py", "qerl_lib/config.py", "qerl_lib/io.py", "qerl_lib/paths.py",
-            "qerl_lib/progress.py", "qerl_lib/__init__.py", "qerl_lib/__main__.py"}
+def test_dvc_yaml_stages_are_rendered_from_the_registry():
+    """dvc.yaml's stage list is the registry's (`python -m qerl_lib.dvc_yaml` rewrites it)."""
+    from qerl_lib.dvc_yaml import render
 
-
-def _module_file(mod: str) -> Path | None:
-    base = PROJECT_ROOT / Path(*mod.split("."))
-    if (base / "__init__.py").is_file():
-        return base / "__init__.py"
-    return base.with_suffix(".py") if base.with_suffix(".py").is_file() else None
-
-
-def _qerl_imports(node) -> set[str]:
-    out = set()
-    for n in ast.walk(node):
-        if isinstance(n, ast.ImportFrom) and n.level == 0 and n.module and n.module.split(".")[0] == "qerl_lib":
-            out |= {f"qerl_lib.{a.name}" for a in n.names} if n.module == "qerl_lib" else {n.module}
-        elif isinstance(n, ast.Import):
-            out |= {a.name for a in n.names if a.name.split(".")[0] == "qerl_lib"}
-    return out
-
-
-def library_deps(stage: str) -> set[str]:
-    """qerl_lib files that `<stage>_stage` runs: stages.py with its top-level imports, the modules
-    the stage function (and the stages.py helpers it calls) imports, and everything those import,
-    anywhere in them (lazy imports too), transitively; the NOT_DEPS modules are not followed."""
-    tree = ast.parse((PROJECT_ROOT / "qerl_lib/stages.py").read_text())
-    funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
-    mods = set()
-    for n in tree.body:
-        if isinstance(n, (ast.Import, ast.ImportFrom)):
-            mods |= _qerl_imports(n)
-    todo, seen = [f"{stage}_stage"], set()
-    while todo:
-        f = todo.pop()
-        if f in seen:
-            continue
-        seen.add(f)
-        mods |= _qerl_imports(funcs[f])
-        todo += [c.func.id for c in ast.walk(funcs[f])
-                 if isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in funcs]
-    files, todo = {"qerl_lib/stages.py"}, list(mods)
-    while todo:
-        m = todo.pop()
-        f = _module_file(m)
-        if f is None:  # `from qerl_lib.x import name`: name is not a module
-            if "." in m.removeprefix("qerl_lib"):
-                todo.append(m.rsplit(".", 1)[0])
-            continue
-        rel = f.relative_to(PROJECT_ROOT).as_posix()
-        if rel in files or rel in NOT_DEPS:
-            files.add(rel)
-            continue
-        files.add(rel)
-        todo += _qerl_imports(ast.parse(f.read_text()))
-        parts = m.split(".")  # importing a.b.c runs a/b/__init__.py too
-        todo += [".".join(parts[:k]) for k in range(2, len(parts)) if _module_file(".".join(parts[:k]))]
-    return files - NOT_DEPS
-
-
-def sync_library_deps(dvc_yaml: Path = PROJECT_ROOT / "dvc.yaml") -> list[str]:
-    """Rewrite the `qerl_lib/...` deps of every stage in dvc.yaml to `library_deps(stage)` (sorted,
-    in place of the old ones, comments and layout kept). Returns the stages that changed.
-    Run `python tests/test_dvc.py` after changing what a stage imports."""
-    lines = dvc_yaml.read_text().split("\n")
-    out, changed, stage, i = [], [], None, 0
-    while i < len(lines):
-        ln = lines[i]
-        if ln.startswith("  ") and not ln.startswith("   ") and ln.rstrip().endswith(":") and not ln.lstrip().startswith("-"):
-            stage = ln.strip()[:-1]
-        if ln.lstrip().startswith("- qerl_lib/") and stage is not None:
-            indent = ln[: len(ln) - len(ln.lstrip())]
-            old = []
-            while i < len(lines) and lines[i].lstrip().startswith("- qerl_lib/"):
-                old.append(lines[i].strip()[2:])
-                i += 1
-            new = sorted(library_deps(stage))
-            if new != old:
-                changed.append(stage)
-            out += [f"{indent}- {m}" for m in new]
-            continue
-        out.append(ln)
-        i += 1
-    dvc_yaml.write_text("\n".join(out))
-    return changed
+    current = (PROJECT_ROOT / "dvc.yaml").read_text()
+    assert render(current) == current, "dvc.yaml is out of date: run `python -m qerl_lib.dvc_yaml`"
 
 
 def test_library_deps_are_the_modules_each_stage_imports():
+    """A stage's library deps: its own module and what it imports (lazily too), transitively."""
+    from qerl_lib.dvc_yaml import library_deps
+    from qerl_lib.stages.registry import BY_NAME
+
+    rollout = set(library_deps(BY_NAME["rollout"]))
+    assert {"qerl_lib/stages/rollout.py", "qerl_lib/stages/common.py", "qerl_lib/aqn.py",
+            "qerl_lib/policy.py", "qerl_lib/schema.py"} <= rollout
+    # Another stage's module, the doors and the plumbing are not dependencies.
+    assert not rollout & {"qerl_lib/stages/eval.py", "qerl_lib/stages/update.py", "qerl_lib/cli.py",
+                          "qerl_lib/run.py", "qerl_lib/config.py", "qerl_lib/stages/registry.py"}
+    assert library_deps(BY_NAME["reward"]) == ["qerl_lib/advantages.py", "qerl_lib/rewards.py", "qerl_lib/schema.py",
+                                               "qerl_lib/scoring.py", "qerl_lib/stages/reward.py"]
     stages = dvc_stages(PROJECT_ROOT)
     for name, st in stages.items():
         kind = name.partition("@")[0]
         declared = {d for d in st["deps"] if d.startswith("qerl_lib/")}
-        assert declared == library_deps(kind), (
-            f"{name}: dvc.yaml deps differ from what {kind}_stage imports "
-            f"(missing {sorted(library_deps(kind) - declared)}, extra {sorted(declared - library_deps(kind))}); "
-            "`python tests/test_dvc.py` rewrites them")
+        assert declared == set(library_deps(BY_NAME[kind])), name
 
 
 class _Trace:
@@ -406,7 +334,3 @@ def test_push_pull_round_trip_through_a_local_remote(dvc_repro_done, tmp_path):
     res = sh(["dvc", "repro"], cwd=clone)
     assert stages_run(res.stdout) == []
     shutil.rmtree(clone)
-
-
-if __name__ == "__main__":
-    print("dvc.yaml library deps updated for:", ", ".join(sync_library_deps()) or "nothing (up to date)")
