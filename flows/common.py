@@ -370,7 +370,7 @@ def now() -> float:
 
 
 def run_stages(ws: Path, stages: list[str], log, retries: int, progress_key: str, title: str,
-               on_done=None, fast_skip: bool = True) -> list[dict]:
+               on_done=None, fast_skip: bool = True, before=None) -> list[dict]:
     """Run `stages` in order, one Prefect task each, with a progress artifact updated after
     every stage. `on_done(stage, record)` runs after each stage (artifacts). Returns the
     records; a failing stage fails the flow after the progress artifact says where.
@@ -379,6 +379,7 @@ def run_stages(ws: Path, stages: list[str], log, retries: int, progress_key: str
     up to date without a `dvc repro` each (about 1 s apiece: on resuming a long run, most of
     the wait). From the first stage that DVC reports changed on, every stage goes through
     `dvc repro --single-item`, since a stage that runs can make later ones stale.
+    `before(stage)` runs before each stage that goes to DVC (the rollout server starts there).
     """
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
@@ -404,6 +405,8 @@ def run_stages(ws: Path, stages: list[str], log, retries: int, progress_key: str
                      i, stages[0], stages[i - 1])
             update_progress_artifact(progress_id, 100.0 * i / n, description=f"{title}: {i}/{n} stages up to date")
         leading = False
+        if before is not None:
+            before(stage)
         t0 = time.perf_counter()
         try:
             # GPU stages hold the qerl-gpu slot from here, around the task run (the task sees it

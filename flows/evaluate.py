@@ -25,6 +25,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from flows import common
+from flows.rollout_server import rollout_service
 from tasks.stage import RETRIES
 
 
@@ -45,6 +46,7 @@ def evaluate(
     settings: dict[str, Any] | None = None,
     steps: list[int] | None = None,
     retries: int = RETRIES,
+    rollout_server: str = "start",
 ) -> dict:
     """Evaluate adapters `steps` (default: every planned evaluation whose adapter exists).
 
@@ -82,8 +84,9 @@ def evaluate(
         stages = [f"eval@{k}" for k in chosen] + ["report"]
         common.check_stages(ws, stages)
         log.info("evaluating adapters %s of %s", chosen, ws)
-        records = common.run_stages(ws, stages, log, retries, "qerl-evaluate-progress", f"evaluate {ws.name}",
-                                    fast_skip=False)
+        with rollout_service(ws, rollout_server, log) as before:
+            records = common.run_stages(ws, stages, log, retries, "qerl-evaluate-progress", f"evaluate {ws.name}",
+                                        fast_skip=False, before=before)
         rows = [r for r in common.eval_rows(ws, cfg.run.steps) if r["step"] in chosen]
         create_table_artifact(rows, key="qerl-evaluate", description=f"evaluation of {ws}: pass@1 over k samples "
                                                                      f"(k={cfg.eval.k}, T={cfg.eval.temperature}) "
@@ -103,10 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", dest="steps", type=int, action="append", default=None,
                    help="adapter k to evaluate (repeatable; default: every planned one that exists)")
     p.add_argument("--retries", type=int, default=RETRIES)
+    p.add_argument("--rollout-server", default="start",
+                   help='"start" (one `qerl serve` for the flow run; default), an address, or "none"')
     args = p.parse_args(argv)
     try:
         result = evaluate(workspace=str(Path(args.workspace).resolve()), config=args.config,
-                          overrides=args.overrides, steps=args.steps, retries=args.retries)
+                          overrides=args.overrides, steps=args.steps, retries=args.retries,
+                          rollout_server=args.rollout_server)
     except Exception as e:
         print(f"qerl-evaluate failed: {e}", file=sys.stderr)
         return 1

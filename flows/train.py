@@ -38,6 +38,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from flows import common
+from flows.rollout_server import rollout_service
 from tasks.stage import RETRIES
 
 
@@ -63,6 +64,7 @@ def train(
     overrides: list[str] | None = None,
     settings: dict[str, Any] | None = None,
     retries: int = RETRIES,
+    rollout_server: str = "start",
 ) -> dict:
     """Run (or resume) the RL run of `workspace`.
 
@@ -72,6 +74,9 @@ def train(
         overrides: `section.key=value` settings applied over `config`, e.g. ["run.steps=8"].
         settings: nested dict of settings applied last, e.g. {"rollout": {"group_size": 8}}.
         retries: retries of a stage that failed for a reason that may pass (never for bad input).
+        rollout_server: "start" (one `qerl serve` for this flow run, started before the first
+            rollout / eval stage and stopped at the end), an address of a running server, or "none"
+            (every stage samples in its own process); `flows/rollout_server.py`.
     """
     from prefect.runtime import flow_run
 
@@ -94,7 +99,9 @@ def train(
                                           description=f"per-step metrics of {ws} ({len(rows)}/{cfg.run.steps} steps)")
                     published["steps"] = len(rows)
 
-        records = common.run_stages(ws, stages, log, retries, "qerl-train-progress", f"train {ws.name}", on_done)
+        with rollout_service(ws, rollout_server, log) as before:
+            records = common.run_stages(ws, stages, log, retries, "qerl-train-progress", f"train {ws.name}", on_done,
+                                        before=before)
         evals = common.eval_rows(ws, cfg.run.steps)
         if evals:
             create_table_artifact(evals, key="qerl-train-eval", description=f"evaluation of {ws} (adapter k)")
@@ -122,13 +129,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one setting, e.g. -s run.steps=8 (repeatable)")
     p.add_argument("--retries", type=int, default=RETRIES)
+    p.add_argument("--rollout-server", default="start",
+                   help='"start" (one `qerl serve` for the flow run; default), an address, or "none"')
     p.add_argument("--serve", action="store_true",
                    help="serve the flow as a deployment (needs a Prefect server: PREFECT_API_URL)")
     p.add_argument("--name", default="qerl-train-served", help="deployment name with --serve")
     p.add_argument("--cron", default=None, help='cron schedule with --serve, e.g. "0 2 * * *" (default: none)')
     args = p.parse_args(argv)
     params = {"workspace": str(Path(args.workspace).resolve()), "config": args.config,
-              "overrides": args.overrides, "retries": args.retries}
+              "overrides": args.overrides, "retries": args.retries, "rollout_server": args.rollout_server}
     if args.serve:
         train.serve(name=args.name, cron=args.cron, parameters=params, tags=["qerl"], limit=1)
         return 0

@@ -204,6 +204,14 @@ def cmd_stage(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from qerl_lib.paths import Layout
+    from qerl_lib.rollout.serve import serve
+
+    cfg = _load(args)
+    return serve(cfg, Layout(cfg.run.root), args.host, args.port)
+
+
 def cmd_config(args) -> int:
     import yaml
 
@@ -346,6 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(s)
     s.set_defaults(func=cmd_stage)
 
+    sv = sub.add_parser("serve", help="start the workspace's long-lived rollout server (vLLM on GPU, or the CPU "
+                                      "server); stages find it and sample there")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    sv.add_argument("--port", type=int, default=0, help="port (default: a free one)")
+    _add_config_args(sv)
+    sv.set_defaults(func=cmd_serve)
+
     c = sub.add_parser("config", help="print the resolved config (or --show every field's documentation)")
     c.add_argument("--show", action="store_true")
     _add_config_args(c)
@@ -400,9 +415,13 @@ def main(argv: list[str] | None = None) -> int:
     from qerl_lib.run import ConfigMismatch, WorkspaceBusy
     from qerl_lib.audit import AuditError
     from qerl_lib.schema import SchemaError
+    from qerl_lib.rollout.service import RolloutServerError
 
     try:
         return args.func(args)
+    except RolloutServerError as e:  # transient: a re-run against a live server succeeds (exit 1, retried)
+        print(f"qerl: error: {e}", file=sys.stderr)
+        return 1
     except (ConfigError, SchemaError, FileNotFoundError, WorkspaceBusy, ConfigMismatch, AuditError) as e:
         print(f"qerl: error: {e}", file=sys.stderr)
         return 2

@@ -422,6 +422,26 @@ class AQNWorkerExtension:
             noise = self._qerl_norm_noise = NormNoise(self._qerl_model())
         return noise
 
+    def qerl_info(self) -> dict:
+        """What this worker serves, for a rollout client (`qerl_lib.rollout.client`): the checkpoint
+        and its hash (the convert report's, else hashed here once), this GPU's UUID, host and
+        whether linears run the merged dense regime."""
+        info = getattr(self, "_qerl_info", None)
+        if info is None:
+            import socket
+
+            from qerl_lib.convert import checkpoint_hash
+
+            ckpt = Path(self.vllm_config.model_config.model).resolve()
+            report = ckpt / "convert_report.json"
+            digest = json.loads(report.read_text())["checkpoint_hash"] if report.is_file() else checkpoint_hash(ckpt)
+            info = self._qerl_info = {
+                "backend": "vllm", "checkpoint": str(ckpt), "checkpoint_hash": digest,
+                "devices": [str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)],
+                "host": socket.gethostname(), "pid": os.getpid(), "merges_adapter": dense_above_from_env() is not None,
+            }
+        return info
+
     def qerl_set_noise(self, sigma: float, seed: int, step: int) -> dict:
         """Norm weights <- clean + noise(seed, step) in place (sigma 0: clean); returns `describe()`."""
         noise = self._qerl_norms()

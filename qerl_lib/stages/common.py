@@ -44,10 +44,21 @@ def versions() -> dict[str, str]:
 
 
 def policy_for(cfg: QerlConfig, layout: Layout, policy=None):
-    """`policy` when the caller holds one (`qerl run` keeps it loaded across stages), else a new one."""
+    """The policy a stage trains: `policy` when the caller holds one (`qerl run` keeps it loaded
+    across stages), else a new one."""
     from qerl_lib.policy import get_policy
 
     return policy if policy is not None else get_policy(cfg, layout, reuse=False)
+
+
+def sampler_for(cfg: QerlConfig, layout: Layout, policy=None):
+    """The policy a rollout or eval stage samples from: the workspace's rollout server when one
+    runs (`qerl_lib.rollout.service.find_server`; no model is loaded here then), else the
+    in-process policy of `policy_for`."""
+    from qerl_lib.rollout.client import remote_policy
+
+    remote = remote_policy(cfg, layout)
+    return remote if remote is not None else policy_for(cfg, layout, policy)
 
 
 def file_metadata(cfg: QerlConfig, layout: Layout, kind: str) -> dict[str, str]:

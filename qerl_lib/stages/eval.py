@@ -14,7 +14,7 @@ from qerl_lib.io import atomic_write_json
 from qerl_lib.paths import Layout
 from qerl_lib.progress import progress
 from qerl_lib.seeds import derive_seed, stable_id
-from qerl_lib.stages.common import file_metadata, policy_for, provenance
+from qerl_lib.stages.common import file_metadata, provenance, sampler_for
 
 
 def eval_stage(cfg: QerlConfig, layout: Layout, step: int, policy=None) -> dict:
@@ -30,7 +30,7 @@ def eval_stage(cfg: QerlConfig, layout: Layout, step: int, policy=None) -> dict:
     prompts = load_prepared(layout.prepared("test"))
     if ec.max_prompts is not None:
         prompts = prompts[: ec.max_prompts]
-    pol = policy_for(cfg, layout, policy)
+    pol = sampler_for(cfg, layout, policy)
     pol.load_adapter(layout.adapter(step), step)
     pol.set_noise(0.0, cfg.aqn.seed, step)  # evaluation sees the clean quantized base
     tok = pol.tokenizer

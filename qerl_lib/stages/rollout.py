@@ -16,7 +16,7 @@ from qerl_lib.config import QerlConfig
 from qerl_lib.paths import Layout
 from qerl_lib.progress import progress
 from qerl_lib.seeds import derive_seed, stable_id
-from qerl_lib.stages.common import file_metadata, policy_for, provenance
+from qerl_lib.stages.common import file_metadata, provenance, sampler_for
 
 
 def select_prompts(prompt_ids: list[str], step: int, per_step: int, seed: int) -> list[int]:
@@ -52,7 +52,7 @@ def rollout_stage(cfg: QerlConfig, layout: Layout, step: int, policy=None) -> Pa
     adapter_dir = layout.adapter(step)
     if not adapter_dir.is_dir():
         raise FileNotFoundError(f"rollout@{step} needs adapter {adapter_dir} (run update@{step - 1} or init_adapter)")
-    pol = policy_for(cfg, layout, policy)
+    pol = sampler_for(cfg, layout, policy)
     pol.load_adapter(adapter_dir, step)
     sigma = sigma_at(step, cfg.run.steps, cfg.aqn)
     pol.set_noise(sigma, cfg.aqn.seed, step)

@@ -23,17 +23,24 @@ def update_stage(cfg: QerlConfig, layout: Layout, step: int, policy=None) -> dic
 
     With `parallel.train_world_size` N > 1: joins the `torchrun` group this process was started
     in, or starts N local ranks itself and returns rank 0's metrics (`qerl_lib.distributed`).
+
+    A rollout server on the same devices (`qerl serve`, colocated) sleeps while this trains and is
+    woken after (`qerl_lib.rollout.client.server_asleep`); one on other devices keeps running.
     """
     from qerl_lib.distributed import context_from_env, run_update_group
+    from qerl_lib.rollout.client import server_asleep
 
     world = cfg.parallel.train_world_size
     ctx = context_from_env()
-    if ctx is None and world > 1:
-        run_update_group(world, _update_rank, cfg.model_dump_json(), str(layout.root), step)
-        return read_json(layout.update_metrics(step))
     if ctx is not None and ctx.world_size != world:
         raise ValueError(f"parallel.train_world_size={world} but the process group has {ctx.world_size} ranks")
-    return _update(cfg, layout, step, policy if ctx is None else None, ctx)
+    if ctx is not None and not ctx.is_main:
+        return _update(cfg, layout, step, None, ctx)  # rank 0 of the group handles the server
+    with server_asleep(layout.root):
+        if ctx is None and world > 1:
+            run_update_group(world, _update_rank, cfg.model_dump_json(), str(layout.root), step)
+            return read_json(layout.update_metrics(step))
+        return _update(cfg, layout, step, policy if ctx is None else None, ctx)
 
 
 def _update_rank(cfg_json: str, root: str, step: int) -> None:
