@@ -16,6 +16,10 @@
 #   scripts/device_vllm.sh rl           the 2-step RL run of .device/rl with the vLLM backend (qerl run)
 #   scripts/device_vllm.sh bench [ARGS] benchmarks/rollout_throughput.py ARGS (nf4-rR engines: carry .device/exp/d too)
 #   scripts/device_vllm.sh all-b        install (piece b), then gpu-tests and rl, logs under $OUT
+#   scripts/device_vllm.sh service-tests   the rollout service's GPU test (qerl serve on stock vllm serve;
+#                                       carry .device/svc for the server's wheels)
+#   scripts/device_vllm.sh orchestrated [ARGS]  benchmarks/orchestrated_step.py on .device/rl/bench.yaml
+#                                       (carry .device/rl and .device/svc)
 #
 # Every device step exports PYTHONPATH=/tmp/vllm-site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 (flashinfer
 # is not carried) and writes its log under $OUT when OUT is set.
@@ -29,6 +33,14 @@ mkdir -p "$OUT"
 gpu_env() {
   export PYTHONPATH=/tmp/vllm-site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 PYTHONUNBUFFERED=1
   export TOKENIZERS_PARALLELISM=false
+}
+
+svc_wheels() {
+  # vllm serve's own dependencies that the GPU image lacks (uvicorn, model-hosting-container-standards, ...).
+  [ -f /tmp/vllm-site/.svc ] && return 0
+  ls .device/svc/wheels/*.whl >/dev/null 2>&1 || { echo "carry .device/svc (the server's wheels)" >&2; return 2; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/vllm-site .device/svc/wheels/*.whl \
+    && touch /tmp/vllm-site/.svc
 }
 
 install() {
@@ -118,6 +130,26 @@ run 3: carry []                                command: bash scripts/device_vllm
 EOF
     ;;
   install) install ;;
+  service-tests)
+    install || exit $?
+    svc_wheels || exit $?
+    gpu_env
+    timeout "${GPU_TESTS_TIMEOUT:-540}" python3 -m pytest -m gpu tests/test_rollout_service_gpu.py -v -s -p no:cacheprovider \
+      "$@" 2>&1 | tee "$OUT/service_tests.log"
+    exit "${PIPESTATUS[0]}"
+    ;;
+  orchestrated)
+    install || exit $?
+    svc_wheels || exit $?
+    gpu_env
+    export QERL_NVFP4_BACKEND=${QERL_NVFP4_BACKEND:-torch}
+    timeout "${ORCH_TIMEOUT:-560}" python3 benchmarks/orchestrated_step.py -c .device/rl/bench.yaml --work /tmp/qerl-orch \
+      --out "$OUT/orchestrated_step.json" "$@" 2>&1 | tee "$OUT/orchestrated.log"
+    rc=${PIPESTATUS[0]}
+    cp /tmp/qerl-orch/stages.log "$OUT/orchestrated_stages.log" 2>/dev/null
+    cp /tmp/qerl-orch/orchestrated.serve.log "$OUT/orchestrated_serve.log" 2>/dev/null
+    exit "$rc"
+    ;;
   gpu-tests) gpu_tests "$@" ;;
   rl) rl "$@" ;;
   bench)
