@@ -15,6 +15,7 @@ one clear line and exit 2.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import sys
@@ -55,6 +56,7 @@ def _setup_logging(verbose: bool) -> None:
 def cmd_run(args) -> int:
     from rich.console import Console
 
+    from qerl_lib import preflight
     from qerl_lib.paths import Layout
     from qerl_lib.run import plan, run_all
 
@@ -66,8 +68,12 @@ def cmd_run(args) -> int:
                   f"loss={cfg.algo.loss} aqn={'on' if cfg.aqn.enabled else 'off'} -> {layout.root}")
     state = {"i": 0}
 
+    preflight.check_device(cfg.model.device)
+    preflight.check_backend(cfg, layout)
+
     def on_event(kind, call, info):
         if kind == "start":  # inside run_all's workspace lock: no other writer of these paths
+            preflight.check_stage(cfg, layout, call.name)
             _sweep_partial(stage_outputs(call.name, call.step, cfg, layout))
         state["i"] += kind != "start"
         n = f"[{state['i']}/{len(calls)}]"
@@ -109,11 +115,11 @@ def _print_artifacts(console, cfg, layout) -> None:
     t.add_row("prepared data", str(layout.prepared_dir))
     t.add_row("checkpoint", str(layout.checkpoint(cfg.model.quant)))
     t.add_row("convert report", str(layout.convert_report(cfg.model.quant)))
-    t.add_row("rollouts", str(layout.root / "rollouts") + f"/step=0..{steps - 1}/rollouts.parquet")
-    t.add_row("scored rollouts", str(layout.root / "rewards") + f"/step=0..{steps - 1}/scored.parquet")
-    t.add_row("adapters (PEFT)", str(layout.root / "adapters") + f"/step=0..{steps}")
-    t.add_row("update metrics", str(layout.root / "metrics") + f"/step=0..{steps - 1}/update.json")
-    t.add_row("evaluation", str(layout.root / "eval") + "/step=K/{samples.parquet,metrics.json}")
+    t.add_row("rollouts", str(layout.rollouts_root) + f"/step=0..{steps - 1}/rollouts.parquet")
+    t.add_row("scored rollouts", str(layout.rewards_root) + f"/step=0..{steps - 1}/scored.parquet")
+    t.add_row("adapters (PEFT)", str(layout.adapters_root) + f"/step=0..{steps}")
+    t.add_row("update metrics", str(layout.metrics_root) + f"/step=0..{steps - 1}/update.json")
+    t.add_row("evaluation", str(layout.eval_root) + "/step=K/{samples.parquet,metrics.json}")
     t.add_row("report", str(layout.reports_dir) + " (metrics.json, steps.csv, plots/*.png)")
     console.print(t)
 
@@ -139,7 +145,11 @@ def _sweep_partial(outputs) -> list[Path]:
         out = Path(out)
         if not out.parent.is_dir():
             continue
-        for junk in [*out.parent.glob(f".{glob.escape(out.name)}.*.tmp"), out.parent / f".{out.name}.old"]:
+        # `..NAME.*`: what a writer nested in a temporary directory of NAME left beside it (the
+        # adapter writer did, before `lora.write_adapter_files`): `..step=1.X.tmp.Y.tmp`, `.old`.
+        junks = [*out.parent.glob(f".{glob.escape(out.name)}.*.tmp"), out.parent / f".{out.name}.old",
+                 *out.parent.glob(f"..{glob.escape(out.name)}.*.tmp.*")]
+        for junk in junks:
             if junk.is_dir() and not junk.is_symlink():
                 shutil.rmtree(junk, ignore_errors=True)
             elif junk.exists() or junk.is_symlink():
@@ -168,6 +178,19 @@ def _stage_lock(layout, label: str) -> int:
         ) from None
 
 
+def _call_lock(layout, label: str) -> int:
+    """The exclusive lock of one stage call (`qerl_lib.locks.stage_lock_path`): a second
+    `qerl stage` of the same stage and step is refused while the first runs."""
+    from qerl_lib import locks
+    from qerl_lib.run import WorkspaceBusy
+
+    try:
+        return locks.acquire(locks.stage_lock_path(layout.root, label), True, f"qerl stage {label} (pid {os.getpid()})")
+    except locks.Busy as e:
+        raise WorkspaceBusy(f"stage {label} of workspace {layout.root} is already running ({e.holder}); "
+                            "this call was not started") from None
+
+
 def _writes_resolved_config(args, layout) -> bool:
     """Whether `qerl stage` records its resolved config in `<root>/config.yaml`.
 
@@ -180,18 +203,33 @@ def _writes_resolved_config(args, layout) -> bool:
 
 
 def cmd_stage(args) -> int:
+    from qerl_lib import preflight
     from qerl_lib.config import save_config
     from qerl_lib.paths import Layout
     from qerl_lib.run import run_call
     from qerl_lib.stages import registry
 
-    cfg = _load(args)
+    from qerl_lib.config import ConfigError
+
     stage = registry.get(args.name)
     if stage.steps != "none" and args.step is None:
-        raise SystemExit(f"qerl stage {args.name} needs --step")
+        raise ConfigError(f"qerl stage {args.name} needs --step I (the RL step, or the adapter to evaluate)")
+    if stage.steps == "none" and args.step is not None:
+        raise ConfigError(f"qerl stage {args.name} takes no --step")
+    if args.step is not None and args.step < 0:
+        raise ConfigError(f"--step {args.step}: a step is 0 or more")
+    cfg = _load(args)
     layout = Layout(cfg.run.root)
     label = args.name if args.step is None else f"{args.name}@{args.step}"
+    preflight.check_stage(cfg, layout, args.name)  # before anything is locked, swept or written
     lock = _stage_lock(layout, label)
+    try:
+        # This call's own lock before its sweep: a second call of the same stage and step would
+        # otherwise remove the temporaries the first one is writing.
+        call_lock = _call_lock(layout, label)
+    except BaseException:
+        os.close(lock)
+        raise
     try:
         _sweep_partial(stage_outputs(args.name, args.step, cfg, layout))
         if _writes_resolved_config(args, layout):
@@ -199,6 +237,7 @@ def cmd_stage(args) -> int:
         call = registry.Call(stage, args.step, layout.root)
         result = run_call(call, cfg, layout)
     finally:
+        os.close(call_lock)
         os.close(lock)  # releases the shared lock
     print(f"{call.label}: {_summary(call, result) or 'done'}")
     return 0
@@ -256,7 +295,7 @@ def cmd_plan(args) -> int:
     import yaml
 
     from qerl_lib.config import ConfigError, expected_plan, load_config, parse_overrides
-    from qerl_lib.io import atomic_write_text
+    from qerl_lib.io import atomic_write_text, sweep_dead_temporaries
 
     target = Path(args.params)
     source = args.config or (target if target.is_file() else None)
@@ -285,6 +324,7 @@ def cmd_plan(args) -> int:
             return 1
         print(f"{target}: up to date")
         return 0
+    sweep_dead_temporaries(target)  # `.params.yaml.<pid>-*.tmp` of a killed `qerl plan`
     atomic_write_text(target, text)
     if old_root not in (".", None):
         print(f"note: run.root was {old_root!r}; DVC stages run at the repository root, so it is '.'")
@@ -428,6 +468,31 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"qerl: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        message = environment_error(e)
+        if message is None:
+            raise
+        print(f"qerl: error: {message}", file=sys.stderr)
+        return 2
+
+
+_ENVIRONMENT_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+                       errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+                       errno.EPERM: "operation not permitted"}
+
+
+def environment_error(e: OSError) -> str | None:
+    """One line for an OSError of the machine rather than of qerl (a full disk, a read-only or
+    unwritable workspace), naming the file; None for any other OSError (a bug: traceback)."""
+    if e.errno not in _ENVIRONMENT_ERRNOS:
+        return None
+    text = e.strerror or str(e)
+    what = _ENVIRONMENT_ERRNOS[e.errno]
+    if e.filename and str(e.filename) not in text:
+        text = f"{text}: {e.filename}"
+    if what not in text.lower():
+        text = f"{what}: {text}"
+    return text
 
 
 if __name__ == "__main__":

@@ -57,27 +57,53 @@ class Layout:
     def convert_report(self, quant: str) -> Path:
         return self.checkpoint(quant) / "convert_report.json"
 
-    # per step
+    # per step (each kind under one folder, one `step=<i>` folder per step)
+    @property
+    def adapters_root(self) -> Path:
+        return self.root / "adapters"
+
+    @property
+    def rollouts_root(self) -> Path:
+        return self.root / "rollouts"
+
+    @property
+    def rewards_root(self) -> Path:
+        return self.root / "rewards"
+
+    @property
+    def metrics_root(self) -> Path:
+        return self.root / "metrics"
+
+    @property
+    def eval_root(self) -> Path:
+        return self.root / "eval"
+
     def adapter(self, step: int) -> Path:
-        return self.root / "adapters" / f"step={step}"
+        return self.adapters_root / f"step={step}"
 
     def rollouts_dir(self, step: int) -> Path:
-        return self.root / "rollouts" / f"step={step}"
+        return self.rollouts_root / f"step={step}"
+
+    def rollout_provenance(self, step: int) -> Path:
+        return self.rollouts_dir(step) / "provenance.json"
 
     def rollouts(self, step: int) -> Path:
         return self.rollouts_dir(step) / "rollouts.parquet"
 
     def scored(self, step: int) -> Path:
-        return self.root / "rewards" / f"step={step}" / "scored.parquet"
+        return self.rewards_root / f"step={step}" / "scored.parquet"
 
     def reward_metrics(self, step: int) -> Path:
-        return self.root / "rewards" / f"step={step}" / "metrics.json"
+        return self.rewards_root / f"step={step}" / "metrics.json"
 
     def update_metrics(self, step: int) -> Path:
-        return self.root / "metrics" / f"step={step}" / "update.json"
+        return self.metrics_root / f"step={step}" / "update.json"
 
     def eval_dir(self, step: int) -> Path:
-        return self.root / "eval" / f"step={step}"
+        return self.eval_root / f"step={step}"
+
+    def eval_provenance(self, step: int) -> Path:
+        return self.eval_dir(step) / "provenance.json"
 
     def eval_samples(self, step: int) -> Path:
         return self.eval_dir(step) / "samples.parquet"
@@ -99,8 +125,37 @@ class Layout:
         return self.reports_dir / "steps.csv"
 
     @property
+    def report_evals(self) -> Path:
+        return self.reports_dir / "eval.csv"
+
+    @property
+    def plots_dir(self) -> Path:
+        return self.reports_dir / "plots"
+
+    def plot(self, name: str) -> Path:
+        return self.plots_dir / f"{name}.png"
+
+    @property
     def stage_times(self) -> Path:
         return self.reports_dir / "stage_times.jsonl"
+
+    # process-level files beside the stages' outputs (never a stage output or a DVC param)
+    @property
+    def rollout_server_file(self) -> Path:
+        """Where `qerl serve` announces its address (`qerl_lib.rollout.service`)."""
+        return self.root / "rollout_server.json"
+
+    @property
+    def rollout_client_stats(self) -> Path:
+        return self.root / "rollout_client.json"
+
+    @property
+    def vllm_engine_stats(self) -> Path:
+        return self.root / "vllm_engine.json"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.root / ".qerl.lock"
 
 
 # File names inside an adapter directory beside PEFT's own files.

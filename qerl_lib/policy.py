@@ -210,7 +210,7 @@ def _write_engine_stats(layout: Layout, engine) -> None:
     from qerl_lib.io import atomic_write_json
 
     try:
-        atomic_write_json(layout.root / "vllm_engine.json", engine.stats_dict())
+        atomic_write_json(layout.vllm_engine_stats, engine.stats_dict())
     except OSError as e:  # statistics only: never fail a stage for them
         log.warning("could not write vllm_engine.json: %s", e)
 

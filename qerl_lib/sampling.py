@@ -34,6 +34,13 @@ class SamplingParams:
     max_new_tokens: int = 48
 
 
+def logit_scale(params: SamplingParams) -> float:
+    """Multiplier of the logits when an engine folds the temperature into them (vLLM, rollout
+    servers): 1/T when sampling, 1 when greedy. Requests then sample at temperature 1, and the
+    recorded logprob is log softmax(logits / T), the convention above."""
+    return 1.0 if params.temperature <= 0 else 1.0 / float(params.temperature)
+
+
 @dataclass
 class Completion:
     token_ids: list[int]

@@ -69,7 +69,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from qerl_lib.sampling import Completion, SamplingParams
+from qerl_lib.sampling import Completion, SamplingParams, logit_scale  # noqa: F401  (re-exported)
 from qerl_lib.vllm_worker import DENSE_ABOVE_ENV
 
 log = logging.getLogger(__name__)
@@ -106,11 +106,6 @@ def vllm_sampling_kwargs(params: SamplingParams, seed: int, stop_token_ids: Iter
         "stop_token_ids": sorted(int(t) for t in stop_token_ids),
         "detokenize": False,
     }
-
-
-def logit_scale(params: SamplingParams) -> float:
-    """Multiplier of the logits for one `generate` call: 1/T when sampling, 1 when greedy."""
-    return 1.0 if params.temperature <= 0 else 1.0 / float(params.temperature)
 
 
 def to_completion(output) -> Completion:

@@ -110,6 +110,9 @@ def retry_transient(task, task_run, state) -> bool:
 
 
 def _set_parent_death_signal() -> None:  # runs in the child between fork and exec
+    # The guard leaves the flow's process group: a SIGKILL of that group must not take the
+    # guard with it, or nobody is left to end the stage (tasks/_guard.py).
+    os.setpgid(0, 0)
     try:
         import ctypes
 
@@ -189,7 +192,7 @@ def work_seconds(workspace: Path, stage: str) -> float | None:
         if isinstance(value, (int, float)):
             return float(value)
     if st.name == "convert":
-        for p in sorted(lay.root.glob("models/*/convert_report.json")):
+        for p in sorted(lay.root.glob(f"{lay.checkpoint('*').relative_to(lay.root)}/convert_report.json")):
             try:
                 rep = json.loads(p.read_text())
             except (OSError, ValueError):

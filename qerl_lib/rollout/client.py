@@ -40,7 +40,7 @@ from qerl_lib.rollout.service import (
     find_server,
     local_devices,
 )
-from qerl_lib.sampling import Completion, SamplingParams
+from qerl_lib.sampling import Completion, SamplingParams, logit_scale
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +215,6 @@ class RemoteEngine:
         """One completion per (prompt, seed), in order, with the adapter and noise in place.
 
         `hints` go to `vllm_xargs` (the CPU server reads `qerl_batch_size`, `qerl_dense_cache`)."""
-        from qerl_lib.vllm_engine import logit_scale
-
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         if not prompts:
@@ -449,6 +447,6 @@ def _write_client_stats(layout, engine: RemoteEngine) -> None:
     from qerl_lib.io import atomic_write_json
 
     try:
-        atomic_write_json(layout.root / "rollout_client.json", engine.stats_dict())
+        atomic_write_json(layout.rollout_client_stats, engine.stats_dict())
     except OSError as e:  # statistics only: never fail a stage for them
         log.warning("could not write rollout_client.json: %s", e)

@@ -188,7 +188,7 @@ def serve(cfg, layout, host: str = "127.0.0.1", port: int = 0) -> int:
     if not report.is_file():
         raise FileNotFoundError(f"{report} not found: the server serves the converted checkpoint, so run the "
                                 "convert stage first (`qerl stage convert`, or `dvc repro convert`)")
-    existing = layout.root / "rollout_server.json"
+    existing = layout.rollout_server_file
     if existing.is_file():
         try:
             other = json.loads(existing.read_text())

@@ -52,7 +52,9 @@ class ServerAddress:
 
 
 def address_file(root: str | Path) -> Path:
-    return Path(root) / ADDRESS_FILE
+    from qerl_lib.paths import Layout
+
+    return Layout(root).rollout_server_file
 
 
 def _pid_alive(pid: int) -> bool:

@@ -73,10 +73,6 @@ class Stage:
         return fn(*args)
 
 
-def _rollout_dir(lay: Layout, step: Step) -> Path:
-    return lay.rollouts(step).parent
-
-
 STAGES: tuple[Stage, ...] = (
     Stage(
         "prepare", "dataset source -> prompts with stable ids and ground truth", "none",
@@ -106,12 +102,12 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "rollout", "checkpoint + adapter i + AQN noise of step i -> G samples per prompt", "train",
         inputs=lambda lay, q, s: [lay.prepared("train"), lay.checkpoint(q), lay.adapter(s)],
-        outputs=lambda lay, q, s: [lay.rollouts(s), _rollout_dir(lay, s) / "provenance.json"],
+        outputs=lambda lay, q, s: [lay.rollouts(s), lay.rollout_provenance(s)],
         done=lambda lay, q, s: [lay.rollouts(s)],
         params=("run.seed", "run.steps", "model.base", "model.chat_template", "model.compute_dtype",
                 "model.device", "model.quant", "lora", "rollout", "aqn"),
         gpu=True, uses_policy=True, function="qerl_lib.stages.rollout:rollout_stage",
-        seconds_file=lambda lay, q, s: [_rollout_dir(lay, s) / "provenance.json"],
+        seconds_file=lambda lay, q, s: [lay.rollout_provenance(s)],
     ),
     Stage(
         "reward", "rollouts i -> rewards, group advantages, kept flags", "train",
@@ -136,7 +132,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "eval", "checkpoint + adapter k + test set -> graded samples, pass@1, greedy accuracy", "eval",
         inputs=lambda lay, q, s: [lay.prepared("test"), lay.checkpoint(q), lay.adapter(s)],
-        outputs=lambda lay, q, s: [lay.eval_samples(s), lay.eval_dir(s) / "provenance.json", lay.eval_metrics(s)],
+        outputs=lambda lay, q, s: [lay.eval_samples(s), lay.eval_provenance(s), lay.eval_metrics(s)],
         done=lambda lay, q, s: [lay.eval_metrics(s)],
         params=("run.seed", "model.base", "model.chat_template", "model.compute_dtype", "model.device",
                 "model.quant", "lora", "rollout.backend", "rollout.batch_size", "rollout.dense_cache", "reward",
@@ -147,12 +143,11 @@ STAGES: tuple[Stage, ...] = (
     ),
     Stage(
         "report", "every step's metrics -> metrics.json, CSVs, plots", "none",
-        inputs=lambda lay, q, s: [lay.root / "rollouts", lay.root / "rewards", lay.root / "metrics",
-                                  lay.root / "eval"],
+        inputs=lambda lay, q, s: [lay.rollouts_root, lay.rewards_root, lay.metrics_root, lay.eval_root],
         outputs=lambda lay, q, s: _report_outputs(lay),
         done=lambda lay, q, s: [lay.report_metrics],
         params=("run.steps",), gpu=False, uses_policy=False, function="qerl_lib.stages.report:report_stage",
-        dvc_outs=lambda lay, q, s: [lay.report_steps, lay.reports_dir / "eval.csv", lay.reports_dir / "plots"],
+        dvc_outs=lambda lay, q, s: [lay.report_steps, lay.report_evals, lay.plots_dir],
         dvc_metrics=lambda lay, q, s: [lay.report_metrics],
     ),
 )
@@ -168,8 +163,8 @@ def _next(step: Step) -> Step:
 def _report_outputs(lay: Layout) -> list[Path]:
     from qerl_lib.report import PLOTS
 
-    return [lay.report_metrics, lay.report_steps, lay.reports_dir / "eval.csv", lay.reports_dir / "config.yaml",
-            *(lay.reports_dir / "plots" / f"{p}.png" for p in PLOTS)]
+    return [lay.report_metrics, lay.report_steps, lay.report_evals, lay.reports_dir / "config.yaml",
+            *(lay.plot(p) for p in PLOTS)]
 
 
 def get(name: str) -> Stage:
