@@ -58,6 +58,21 @@ def _run(cmd: list[str], log, env: dict) -> tuple[float, str]:
     return wall, res.stdout + res.stderr
 
 
+def _work_seconds(root: Path, step: int) -> dict:
+    """The seconds each stage measured for its own work (the rest of a process's wall time is
+    start-up: interpreter, imports, config, model load)."""
+    from qerl_lib.paths import Layout
+
+    lay = Layout(root)
+    out = {}
+    for name, path in (("rollout_work_s", lay.rollout_provenance(step)), ("update_work_s", lay.update_metrics(step))):
+        try:
+            out[name] = json.loads(path.read_text()).get("seconds")
+        except (OSError, ValueError):
+            out[name] = None
+    return out
+
+
 def orchestrated(cfg: Path, root: Path, steps: int, sets: list[str], log, env: dict) -> dict:
     serve_log = open(root.parent / f"{root.name}.serve.log", "w")
     t0 = time.perf_counter()
@@ -79,6 +94,7 @@ def orchestrated(cfg: Path, root: Path, steps: int, sets: list[str], log, env: d
                 rec[f"{stage}_s"] = round(wall, 3)
                 starts += out.count(ENGINE_START)
             rec["step_s"] = round(sum(rec[f"{s}_s"] for s in STEP_STAGES), 3)
+            rec.update(_work_seconds(root, i))
             per_step.append(rec)
             print(f"orchestrated step {i}: {rec}", flush=True)
         client = json.loads((root / "rollout_client.json").read_text()) if (root / "rollout_client.json").is_file() else {}

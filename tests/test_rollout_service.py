@@ -107,7 +107,7 @@ def test_server_killed_mid_rollout_fails_clearly_and_the_rerun_succeeds(converte
 
     ws = copy_repo(converted, tmp_path / "ws")
     # A longer rollout than the pipeline's, so that the kill lands while rows are being sampled.
-    long = ["-s", "rollout.max_new_tokens=200", "-s", "rollout.prompts_per_step=8", "-s", "rollout.group_size=8"]
+    long = ["-s", "rollout.max_new_tokens=24", "-s", "rollout.prompts_per_step=16", "-s", "rollout.group_size=16"]
     with serving(ws, *long) as (url, proc):
         stage = subprocess.Popen([sys.executable, "-m", "qerl_lib", "stage", "rollout", "--step", "0",
                                   "-c", "params.yaml", *long], cwd=ws, env=quiet_env(), stdout=subprocess.PIPE,
