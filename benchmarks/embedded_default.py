@@ -6,7 +6,9 @@ Runs `qerl run` with the default config (plus overrides) in a fresh workspace,
 reads the per-stage timings it logs, then loads the NVFP4 base (packed) and the BF16
 base of the same model side by side and counts the bytes of their resident weights
 (parameters and buffers). Prints a table and writes
-benchmarks/results/embedded_default.json with the exact command.
+benchmarks/results/embedded_default.json with the exact command, the git commit and the config
+hash it ran (`qerl_lib.config.config_hash`), the peak resident memory of the run (before the
+side-by-side load) and its three-line result (`qerl_lib.outcome`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import sys
 import time
@@ -34,7 +37,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "embedded_default.json"))
     args = ap.parse_args()
 
-    from qerl_lib.config import load_config
+    from qerl_lib.config import config_hash, load_config
+    from qerl_lib.outcome import result_lines
+    from qerl_lib.stages.common import git_commit
     from qerl_lib.convert import convert
     from qerl_lib.io import atomic_write_json
     from qerl_lib.model import load_base
@@ -45,9 +50,14 @@ def main() -> None:
 
     shutil.rmtree(args.root, ignore_errors=True)
     cfg = load_config(None, [*args.overrides, f"run.root={args.root}"])
+    if cfg.run.threads:  # as `qerl run` does (qerl_lib.cli._load)
+        from qerl_lib.model import set_threads
+
+        set_threads(cfg.run.threads)
     t0 = time.perf_counter()
     records = run_all(cfg)
     total = time.perf_counter() - t0
+    peak_rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: kB
     clear_policy_cache()
 
     per_stage: dict[str, list[float]] = defaultdict(list)
@@ -67,11 +77,18 @@ def main() -> None:
 
     result = {
         "command": "python benchmarks/embedded_default.py " + " ".join(sys.argv[1:]),
+        "git_commit": git_commit(),
+        "config_hash": config_hash(cfg),
+        "overrides": args.overrides,
+        "peak_rss_mb": round(peak_rss_kb / 1024, 1),
+        "result": result_lines(args.root, cfg.run.steps),
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
                     "torch": torch.__version__},
         "config": {"steps": cfg.run.steps, "prompts_per_step": cfg.rollout.prompts_per_step,
                    "group_size": cfg.rollout.group_size, "max_new_tokens": cfg.rollout.max_new_tokens,
-                   "eval_prompts": cfg.eval.max_prompts, "eval_k": cfg.eval.k, "quant": cfg.model.quant},
+                   "eval_prompts": cfg.eval.max_prompts, "eval_k": cfg.eval.k, "quant": cfg.model.quant,
+                   "lr": cfg.optim.lr, "aqn": cfg.aqn.enabled, "threads": cfg.run.threads,
+                   "eval_max_new_tokens": cfg.eval.max_new_tokens},
         "seconds_total": round(total, 2),
         "seconds_per_stage": {k: {"calls": len(v), "mean": round(sum(v) / len(v), 2), "total": round(sum(v), 2)}
                               for k, v in per_stage.items()},
@@ -87,6 +104,8 @@ def main() -> None:
     print(f"resident weight bytes: nvfp4 {nv['total']:,} vs bf16 {bf['total']:,} "
           f"({nv['total'] / bf['total']:.3f}x)")
     print(f"eval: {evals}")
+    print("\n".join(result["result"]))
+    print(f"peak RSS of the run: {result['peak_rss_mb']:.0f} MB")
     print(f"wrote {args.out}")
 
 

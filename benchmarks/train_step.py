@@ -381,7 +381,7 @@ def mode_step(args, device) -> dict:
 
 def mode_grpo32b(args, device) -> dict:
     from qerl_lib.config import AlgoConfig, OptimConfig
-    from qerl_lib.losses import LOSSES, LossNorm
+    from qerl_lib.losses import LOSSES, LossInputs, LossNorm
     from qerl_lib.optim import build_optimizer, clip_grad_norm
     from qerl_lib.trainer import policy_logprobs, training_attention
 
@@ -414,8 +414,9 @@ def mode_grpo32b(args, device) -> dict:
                 ref = policy_logprobs(model, batch, 1.0, False)[0]
             peak_ref = torch.cuda.max_memory_allocated()
             logp, entropy = policy_logprobs(model, batch, 1.0, True)
-            loss, _ = LOSSES[algo.loss](logp, logp.detach(), batch.rollout_logp, batch.advantages, batch.mask, ref,
-                                        algo, norm)
+            x = LossInputs(logp=logp, old_logp=logp.detach(), advantages=batch.advantages, mask=batch.mask,
+                           norm=norm, rollout_logp=batch.rollout_logp, ref_logp=ref)
+            loss, _ = LOSSES[algo.loss](x, algo)
             loss.backward()
         peak_bwd = torch.cuda.max_memory_allocated()
         grad_norm = clip_grad_norm(params, optim_cfg.grad_clip)

@@ -1,5 +1,6 @@
-"""What the three flows share: the workspace, its lock, params.yaml, the stage list, the
-artifacts shown in the Prefect UI, and the orchestration timing summary.
+"""What the three flows share: the workspace, its lock, params.yaml (checked before Prefect
+starts, put back when a flow run fails), the stage list and running the stages; the artifacts
+shown in the Prefect UI are made by `flows.artifacts` (re-exported here).
 
 A workspace is a git + DVC repository holding `dvc.yaml` and `params.yaml` (the project's
 repository root is one; the tests make temporary ones). Flows write params.yaml through
@@ -9,9 +10,7 @@ the order of `qerl_lib.run.plan`, one Prefect task per stage (`tasks.stage.run_s
 
 from __future__ import annotations
 
-import base64
 import json
-import math
 import os
 import subprocess
 import sys
@@ -21,7 +20,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 FLOW_LOCK = ".dvc/tmp/qerl-flow.lock"  # inside .dvc/tmp: ignored by git and by DVC
-SPARK = "▁▂▃▄▅▆▇█"
 
 
 class WorkspaceError(RuntimeError):
@@ -132,17 +130,114 @@ def load_params(ws: Path):
     return load_config(ws / "params.yaml")
 
 
+_WATCHED: set[int] = set()
+
+
+def watch_temporary_server() -> list[int]:
+    """Tie the temporary Prefect server that this process started (no PREFECT_API_URL) to this
+    process's life: Prefect stops it at exit, which a SIGKILL never reaches. One watchdog per
+    server (`tasks/_guard.py --reap PID`) ends the server when this process dies. Returns the
+    pids of the servers now watched (none with a real Prefect server)."""
+    server_mod = sys.modules.get("prefect.server.api.server")
+    instances = getattr(getattr(server_mod, "SubprocessASGIServer", None), "_instances", {}) if server_mod else {}
+    pids = []
+    for inst in list(instances.values()):
+        proc = getattr(inst, "server_process", None)
+        if proc is None or proc.poll() is not None:
+            continue
+        pids.append(proc.pid)
+        if proc.pid in _WATCHED:
+            continue
+        guard = Path(__file__).resolve().parents[1] / "tasks" / "_guard.py"
+        subprocess.Popen([sys.executable, str(guard), "--reap", str(proc.pid)], stdin=subprocess.DEVNULL,
+                         env={**os.environ, "QERL_GUARD_PARENT": str(os.getpid())}, start_new_session=True)
+        _WATCHED.add(proc.pid)
+    return pids
+
+
+def check_config(workspace: str | os.PathLike, config: str | None, overrides: list[str] | None,
+                 settings: dict | None = None) -> None:
+    """Validate (config, overrides, settings) as `qerl plan` will, in this process and before any
+    Prefect flow run starts: a bad key or value is one `ConfigError` line (the CLI's message,
+    with "did you mean" for a mistyped key), not a flow run's traceback. The workspace must be
+    a qerl DVC workspace (`WorkspaceError` otherwise)."""
+    import yaml
+
+    from qerl_lib.config import ConfigError, _merge, load_config, parse_overrides, yaml_error
+
+    ws = resolve_workspace(workspace)
+    src = Path(config).expanduser() if config else ws / "params.yaml"
+    src = src if src.is_absolute() else ws / src
+    tree: dict = {}
+    if config and not src.is_file():
+        raise WorkspaceError(f"config file not found: {src}")
+    if src.is_file():
+        try:
+            tree = yaml.safe_load(src.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {src} is not valid YAML: {yaml_error(e)}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {src} must hold a mapping at the top level")
+    tree.pop("plan", None)  # `qerl plan` recomputes it
+    extra = parse_overrides([*(overrides or []), *flatten(settings or {})])
+    extra.setdefault("run", {})["root"] = "."  # as `qerl plan` writes it
+    load_config(None, _merge(tree, extra))
+
+
+def refuse_bad_config(name: str, workspace: str, config: str | None, overrides: list[str] | None) -> int | None:
+    """A flow script's `main()` check before Prefect starts: on a bad config or workspace, print
+    `NAME: <one line>` to stderr and return 2 (bad input, as the qerl CLI); None when it is valid."""
+    from qerl_lib.config import ConfigError
+
+    try:
+        check_config(workspace, config, overrides)
+    except (ConfigError, WorkspaceError) as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        return 2
+    return None
+
+
+def restore_file(path: Path, before: bytes | None, log) -> bool:
+    """Put `path` back to `before` (its bytes before this flow run; None: it did not exist), atomically.
+    Returns whether anything changed."""
+    from qerl_lib.io import atomic_path
+
+    now_bytes = path.read_bytes() if path.is_file() else None
+    if now_bytes == before:
+        return False
+    if before is None:
+        path.unlink()
+    else:
+        with atomic_path(path) as tmp:
+            tmp.write_bytes(before)
+    log.warning("%s restored to what it was before this flow run (the run failed); run the flow again with "
+                "the same settings to resume", path.name)
+    return True
+
+
 @contextmanager
 def workspace_run(workspace: str, config: str | None, overrides: list[str] | None, settings: dict | None,
                   log) -> Iterator[tuple[Path, Any]]:
     """The preamble of every flow: the workspace resolved and locked for this flow run, its
-    params.yaml written from (config, overrides, settings); yields (workspace, resolved config)."""
+    params.yaml written from (config, overrides, settings); yields (workspace, resolved config).
+
+    A flow run that fails (an exception or a cancellation, here or in the body) leaves params.yaml
+    as it found it: the workspace's config is the last one a flow run finished with, and a plain
+    `dvc repro` there does not pick up half-tried settings. (A SIGKILL of the flow process leaves
+    the new params.yaml: nothing runs after it.)"""
     from prefect.runtime import flow_run
 
     ws = resolve_workspace(workspace)
+    watch_temporary_server()
     with flow_lock(ws, f"Prefect flow run {flow_run.name!r} ({flow_run.id})"):
-        write_params(ws, config, overrides, settings, log)
-        yield ws, load_params(ws)
+        params = ws / "params.yaml"
+        before = params.read_bytes() if params.is_file() else None
+        try:
+            write_params(ws, config, overrides, settings, log)
+            yield ws, load_params(ws)
+        except BaseException:
+            restore_file(params, before, log)
+            raise
 
 
 def stage_list(cfg, ws: Path) -> list[str]:
@@ -192,174 +287,12 @@ def check_stages(ws: Path, stages: list[str]) -> None:
 
 
 # ----------------------------------------------------------------------------- artifacts
+# (flows/artifacts.py; the names stay importable from here)
 
-STEP_TABLE_COLUMNS = ("step", "reward_mean", "reward_std", "correct_rate", "format_rate", "kept_frac",
-                      "truncated_frac", "entropy", "kl", "clip_frac", "loss", "grad_norm", "sigma", "lr",
-                      "tokens", "rollout_seconds", "seconds", "step_seconds")
-EVAL_TABLE_COLUMNS = ("step", "pass_at_1", "greedy_acc", "n_prompts", "k", "seconds")
-
-
-def _clean(value: Any) -> Any:
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            return None
-        return float(f"{value:.4g}")
-    return value
-
-
-def step_rows(ws: Path, steps: int) -> list[dict]:
-    """Per-step metrics (update + reward files of each step done so far)."""
-    from qerl_lib.paths import Layout
-    from qerl_lib.report import collect_steps
-
-    rows = collect_steps(Layout(ws), steps)
-    return [{c: _clean(r.get(c)) for c in STEP_TABLE_COLUMNS if c in r or c == "step"} for r in rows]
-
-
-def eval_rows(ws: Path, steps: int) -> list[dict]:
-    from qerl_lib.paths import Layout
-    from qerl_lib.report import collect_evals
-
-    rows = collect_evals(Layout(ws), steps)
-    return [{c: _clean(r.get(c)) for c in EVAL_TABLE_COLUMNS if c in r or c == "step"} for r in rows]
-
-
-def sparkline(values: list[float | None]) -> str:
-    finite = [v for v in values if v is not None and math.isfinite(v)]
-    if not finite:
-        return ""
-    lo, hi = min(finite), max(finite)
-    span = hi - lo
-    out = []
-    for v in values:
-        if v is None or not math.isfinite(v):
-            out.append(" ")
-        else:
-            out.append(SPARK[int(round((v - lo) / span * (len(SPARK) - 1)))] if span > 0 else SPARK[3])
-    return "".join(out)
-
-
-def _fmt(v: Any) -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
-
-
-def png_data_uri(path: Path) -> str | None:
-    try:
-        return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
-    except OSError:
-        return None
-
-
-def curves_markdown(ws: Path, cfg, title: str, plots: tuple[str, ...] = ("reward", "entropy")) -> str:
-    """The run report: summary, the curves as embedded PNGs (data URIs) and as text sparklines,
-    the per-step and per-eval tables."""
-    steps = cfg.run.steps
-    rows, evals = step_rows(ws, steps), eval_rows(ws, steps)
-    summary_path = ws / "reports" / "metrics.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
-    prog = summary.get("progress", {})
-    md = [f"# {title}", ""]
-    md.append(f"workspace `{ws}` · base `{cfg.model.base}` ({cfg.model.quant}) · loss `{cfg.algo.loss}` · "
-              f"LoRA r={cfg.lora.r} · AQN {'on' if cfg.aqn.enabled else 'off'} "
-              f"(K={cfg.aqn.stages}, {cfg.aqn.sigma_start:g} → {cfg.aqn.sigma_end:g}, {cfg.aqn.schedule}) · "
-              f"{cfg.rollout.prompts_per_step} prompts × G={cfg.rollout.group_size} per step")
-    md.append("")
-    md.append(f"steps updated **{prog.get('steps_updated', len(rows))} / {steps}**, evaluations "
-              f"**{prog.get('evals', len(evals))}**")
-    md.append("")
-    # Curves as text: render anywhere, whatever the viewer does with images.
-    series = [("reward_mean", [r.get("reward_mean") for r in rows]),
-              ("correct_rate", [r.get("correct_rate") for r in rows]),
-              ("entropy", [r.get("entropy") for r in rows]),
-              ("kl", [r.get("kl") for r in rows]),
-              ("sigma (AQN)", [r.get("sigma") for r in rows]),
-              ("eval pass@1", [e.get("pass_at_1") for e in evals]),
-              ("eval greedy", [e.get("greedy_acc") for e in evals])]
-    md += ["| curve | first | last | min | max | trend |", "| --- | --- | --- | --- | --- | --- |"]
-    for name, ys in series:
-        finite = [y for y in ys if y is not None]
-        if not finite:
-            continue
-        md.append(f"| {name} | {_fmt(finite[0])} | {_fmt(finite[-1])} | {_fmt(min(finite))} | {_fmt(max(finite))} "
-                  f"| `{sparkline(ys)}` |")
-    md.append("")
-    for name in plots:
-        uri = png_data_uri(ws / "reports" / "plots" / f"{name}.png")
-        if uri:
-            md += [f"## {name}", "", f"![{name} curve]({uri})", ""]
-    if rows:
-        cols = [c for c in ("step", "reward_mean", "correct_rate", "format_rate", "entropy", "kl", "clip_frac",
-                            "sigma", "loss", "kept_frac", "step_seconds") if any(c in r for r in rows)]
-        md += ["## per step", "", "| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
-        md += ["| " + " | ".join(_fmt(r.get(c)) for c in cols) + " |" for r in rows]
-        md.append("")
-    if evals:
-        md += ["## evaluation (adapter k = after k updates)", "", "| k | pass@1 | greedy | prompts | samples/prompt |",
-               "| --- | --- | --- | --- | --- |"]
-        md += [f"| {e['step']} | {_fmt(e.get('pass_at_1'))} | {_fmt(e.get('greedy_acc'))} | {_fmt(e.get('n_prompts'))} "
-               f"| {_fmt(e.get('k'))} |" for e in evals]
-        md.append("")
-    md += ["## where the artifacts are", "",
-           f"rollouts `{ws}/rollouts/step=*/rollouts.parquet` (audit: `qerl audit summary`), scored rollouts "
-           f"`rewards/step=*/scored.parquet`, adapters `adapters/step=*` (PEFT), metrics `metrics/step=*/update.json`, "
-           f"evaluation `eval/step=*/`, report `reports/` (`dvc plots show`, `dvc metrics show`)."]
-    return "\n".join(md) + "\n"
-
-
-def timing_markdown(records: list[dict]) -> str:
-    md = ["## orchestration", "",
-          "| stage | status | task s | dvc s | command s | own work s | GPU slot wait s |",
-          "| --- | --- | --- | --- | --- | --- | --- |"]
-    for r in records:
-        md.append(f"| {r['stage']} | {r['status']} | {_fmt(r.get('task_s'))} | {_fmt(r.get('dvc_s'))} | "
-                  f"{_fmt(r.get('cmd_s'))} | {_fmt(r.get('work_s'))} | {_fmt(r.get('slot_wait_s'))} |")
-    s = overhead_summary(records)
-    if s["stages_ran"]:
-        md += ["", f"Per executed stage, on average: Prefect {s['prefect_s_per_stage']:.2f} s, DVC "
-                   f"{s['dvc_s_per_stage']:.2f} s, stage process start-up {_fmt(s['startup_s_per_stage'])} s, "
-                   f"stage's own work {_fmt(s['work_s_per_stage'])} s."]
-    return "\n".join(md) + "\n"
-
-
-def overhead_summary(records: list[dict]) -> dict:
-    """Seconds of orchestration against the stages' own work, from the task records.
-
-    task_s (flow side, around the task call) - dvc_s + gap_s (the flow's own work between two
-    stages: progress and table artifacts) = Prefect's share (task run bookkeeping, API calls,
-    GPU slot, artifacts); dvc_s - cmd_s = DVC's (start-up, hashing, locks, dvc.lock);
-    cmd_s - work_s = the stage process's start-up (imports, model load) that its own
-    timer does not see; work_s = what the stage measured itself.
-    """
-    ran = [r for r in records if r.get("status") == "ran"]
-    skipped = [r for r in records if r.get("status") in ("skipped", "restored")]
-
-    def total(rs, key):
-        return sum(r[key] for r in rs if r.get(key) is not None)
-
-    def per(rs, key):
-        vals = [r[key] for r in rs if r.get(key) is not None]
-        return round(sum(vals) / len(vals), 3) if vals else None
-
-    prefect = [r["task_s"] - r["dvc_s"] + (r.get("gap_s") or 0.0) for r in ran if r.get("task_s") is not None]
-    dvc = [r["dvc_s"] - r["cmd_s"] for r in ran if r.get("cmd_s") is not None]
-    startup = [r["cmd_s"] - r["work_s"] for r in ran if r.get("cmd_s") is not None and r.get("work_s") is not None]
-    return {
-        "stages_ran": len(ran),
-        "stages_skipped": len(skipped),
-        "prefect_s": round(sum(prefect), 3),
-        "dvc_s": round(sum(dvc), 3),
-        "startup_s": round(sum(startup), 3),
-        "work_s": round(total(ran, "work_s"), 3),
-        "prefect_s_per_stage": round(sum(prefect) / len(prefect), 3) if prefect else 0.0,
-        "dvc_s_per_stage": round(sum(dvc) / len(dvc), 3) if dvc else 0.0,
-        "startup_s_per_stage": round(sum(startup) / len(startup), 3) if startup else None,
-        "work_s_per_stage": per(ran, "work_s"),
-        "skip_task_s_per_stage": per(skipped, "task_s"),
-    }
+from flows.artifacts import (  # noqa: E402,F401
+    EVAL_TABLE_COLUMNS, STEP_CORE_COLUMNS, STEP_DETAIL_COLUMNS, STEP_TABLE_COLUMNS, curves_markdown, eval_rows,
+    overhead_summary, png_data_uri, sparkline, step_artifact, step_rows, timing_markdown,
+)
 
 
 def now() -> float:
@@ -413,7 +346,7 @@ def run_stages(ws: Path, stages: list[str], log, retries: int, progress_key: str
             # held and does not take it again): taken inside the task, the slot request races the
             # task run's own state writes in a SQLite-backed server and loses ~2 s to its retry.
             with (gpu_slot(log) if is_gpu_stage(stage) else nullcontext({"wait_s": 0.0})) as slot:
-                rec = task(str(ws), stage)
+                rec = task(str(ws), stage, {"id": str(progress_id), "index": i, "total": n, "title": title})
             rec["slot_wait_s"] = slot["wait_s"]
         except BaseException as e:
             update_progress_artifact(progress_id, 100.0 * i / n,

@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--retries", type=int, default=RETRIES)
     args = p.parse_args(argv)
+    if (refused := common.refuse_bad_config("qerl-convert", args.workspace, args.config, args.overrides)) is not None:
+        return refused
     try:
         result = convert(workspace=str(Path(args.workspace).resolve()), config=args.config,
                          overrides=args.overrides, retries=args.retries)

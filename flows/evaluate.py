@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rollout-server", default="start",
                    help='"start" (one `qerl serve` for the flow run; default), an address, or "none"')
     args = p.parse_args(argv)
+    if (refused := common.refuse_bad_config("qerl-evaluate", args.workspace, args.config, args.overrides)) is not None:
+        return refused
     try:
         result = evaluate(workspace=str(Path(args.workspace).resolve()), config=args.config,
                           overrides=args.overrides, steps=args.steps, retries=args.retries,

@@ -88,16 +88,15 @@ def train(
         setup_s = common.now() - t_flow
         log.info("workspace %s: %d steps, %d stages (%s ... %s); DVC skips what is up to date",
                  ws, cfg.run.steps, len(stages), stages[0], stages[-1])
-        published = {"steps": -1}
-
         def on_done(stage: str, rec: dict) -> None:
-            # The per-step table grows as steps finish (a new version of the same artifact key).
-            if stage.startswith("update@") or stage == "report":
-                rows = common.step_rows(ws, cfg.run.steps)
-                if rows and len(rows) != published["steps"] or stage == "report":
-                    create_table_artifact(rows, key="qerl-train-steps",
-                                          description=f"per-step metrics of {ws} ({len(rows)}/{cfg.run.steps} steps)")
-                    published["steps"] = len(rows)
+            # One `qerl-train-steps` artifact per RL step, when its update ran in this flow run: the
+            # step's own row (core columns; details in the description), so the run's artifact list
+            # names each step once. The whole table goes into the report at the end.
+            if stage.startswith("update@") and rec.get("status") == "ran":
+                step = int(stage.split("@", 1)[1])
+                made = common.step_artifact(ws, cfg.run.steps, step)
+                if made is not None:
+                    create_table_artifact(made[0], key="qerl-train-steps", description=made[1])
 
         with rollout_service(ws, rollout_server, log) as before:
             records = common.run_stages(ws, stages, log, retries, "qerl-train-progress", f"train {ws.name}", on_done,
@@ -138,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     params = {"workspace": str(Path(args.workspace).resolve()), "config": args.config,
               "overrides": args.overrides, "retries": args.retries, "rollout_server": args.rollout_server}
+    if (refused := common.refuse_bad_config("qerl-train", args.workspace, args.config, args.overrides)) is not None:
+        return refused
     if args.serve:
         train.serve(name=args.name, cron=args.cron, parameters=params, tags=["qerl"], limit=1)
         return 0
@@ -149,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     o = result["overhead"]
     print(f"qerl-train: {o['stages_ran']} stages ran, {o['stages_skipped']} up to date; "
           f"orchestration per executed stage: Prefect {o['prefect_s_per_stage']:.2f}s, DVC {o['dvc_s_per_stage']:.2f}s")
+    from qerl_lib.config import load_config
+    from qerl_lib.outcome import result_lines
+
+    ws = Path(result["workspace"])
+    steps = load_config(ws / "params.yaml").run.steps  # what the flow ran: params.yaml as it wrote it
+    print("\n".join(result_lines(ws, steps)))
     return 0
 
 

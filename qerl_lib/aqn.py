@@ -25,6 +25,21 @@ layer: w <- w + Z. Targets are found by module *name*, never by class: vLLM's mo
 `RMSNorm` class, so the reference code's isinstance check on transformers' classes never reached
 its rollouts.
 
+Scale (`AQNConfig.sigma_mode`). `absolute` (default, the paper's): Z ~ N(0, sigma^2 I), the same
+std for every element of every norm of every model. `relative`: element i of a norm weight w gets
+std sigma * |w_i| (the same standard normal draw eps, scaled: Z_i = sigma * |w_i| * eps_i). Why
+per element rather than per vector: the paper's justification of noise on the norm weight is that
+W diag(w + Z) = W diag(w) (I + diag(Z / w)), i.e. Z acts as a multiplicative noise Z_i / w_i on the
+columns of the effective linear W diag(w) that follows, standing in for quantization error (which
+is itself relative, proportional to each block's scale). With absolute Z that relative noise is
+sigma / |w_i|: it depends on the model's norm magnitudes (sigma 1e-2 is a median 3.7 % perturbation
+of SmolLM2-135M's norm elements but 0.48 % of Qwen2.5-Coder-0.5B's, whose norm weights average 2.1
+against 0.27: benchmarks/results/norm_magnitudes.json) and explodes on small channels.
+With Z_i = sigma |w_i| eps_i it is exactly sigma * eps_i on every column of every layer of every
+model, so one schedule means the same thing everywhere. (Scaling by the vector's RMS instead would
+fix the size per layer but keep the sigma / |w_i| blow-up inside it.) Sigma 0 is the clean weight
+exactly in both modes.
+
 Reproducibility. The noise of one norm is a function of (seed, step, key) only: a CPU
 torch.Generator seeded with derive_seed("aqn", seed, step, key), drawn in float32, then moved to
 the weight's device and dtype. The same noise lands in the trainer (transformers/PEFT) and in
@@ -51,6 +66,7 @@ from qerl_lib.config import AQNConfig
 from qerl_lib.seeds import derive_seed
 
 NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
+SIGMA_MODES = ("absolute", "relative")
 _KEY_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(input_layernorm|post_attention_layernorm)$")
 
 
@@ -149,26 +165,58 @@ def noise_vector(key: str, hidden: int, sigma: float, seed: int, step: int) -> t
     return torch.randn(hidden, generator=g, dtype=torch.float32) * float(sigma)
 
 
+def noise_for(weight_clean: torch.Tensor, sigma: float, seed: int, step: int, key: str,
+              mode: str = "absolute") -> torch.Tensor:
+    """The AQN noise of one norm: float32 `[hidden]` on `weight_clean`'s device.
+
+    weight_clean: `[hidden]` clean norm weight (any float dtype, any device); key: its
+    `norm_key` (`layers.<i>.<input_layernorm|post_attention_layernorm>`). `absolute`: sigma * eps;
+    `relative`: sigma * |weight_clean| * eps (elementwise, float32), with eps = the standard normal
+    draw of (seed, step, key) (`noise_vector`), so both modes share one random stream and the
+    result depends on (seed, step, key, weight_clean) only. Zeros at sigma 0.
+    """
+    if mode not in SIGMA_MODES:
+        raise ValueError(f"aqn.sigma_mode must be one of {SIGMA_MODES}, got {mode!r}")
+    if weight_clean.dim() != 1:
+        raise ValueError(f"AQN noise of {key}: expected a 1-D norm weight, got shape {tuple(weight_clean.shape)}")
+    z = noise_vector(key, weight_clean.shape[0], sigma, seed, step).to(weight_clean.device)
+    if mode == "relative":
+        z = z * weight_clean.detach().float().abs()  # float32 elementwise: bit-identical on CPU and CUDA
+    return z
+
+
+def noisy_weight(weight_clean: torch.Tensor, sigma: float, seed: int, step: int, key: str,
+                 mode: str = "absolute") -> torch.Tensor:
+    """clean + noise_for(...), summed in float32 and cast once to `weight_clean`'s dtype; `[hidden]`.
+
+    sigma 0 returns (a copy of) the clean weight bit for bit, whatever the dtype.
+    """
+    if sigma == 0:
+        return weight_clean.detach().clone()
+    z = noise_for(weight_clean, sigma, seed, step, key, mode)
+    return (weight_clean.detach().float() + z).to(weight_clean.dtype)
+
+
 # --------------------------------------------------------------------------- injection
 
 
 @torch.no_grad()
 def write_noise(targets: list[tuple[str, nn.Module]], clean: dict[str, torch.Tensor], sigma: float, seed: int,
-                step: int) -> None:
-    """weight <- clean[key] + noise_vector(key, ...) for every (key, module) of `targets`, in place.
+                step: int, mode: str = "absolute") -> None:
+    """weight <- noisy_weight(clean[key], sigma, seed, step, key, mode) for every (key, module) of
+    `targets`, in place.
 
     The one arithmetic of AQN, shared by the trainer (`NoiseInjector`) and the vLLM workers
     (`qerl_lib.vllm_worker.NormNoise`) so both hold the same bits: float32 sum, one cast to the
     weight's dtype, `copy_` into the existing storage (never a rebind: CUDA graphs keep pointers).
-    sigma 0 writes the clean weights back exactly.
+    sigma 0 writes the clean weights back exactly. `mode`: `AQNConfig.sigma_mode`.
     """
     for key, mod in targets:
         w = mod.weight
         if sigma == 0:
             w.copy_(clean[key])
             continue
-        z = noise_vector(key, w.shape[0], sigma, seed, step).to(w.device)
-        w.copy_((clean[key].float() + z).to(w.dtype))
+        w.copy_(noisy_weight(clean[key].to(w.device), sigma, seed, step, key, mode))
 
 
 class NoiseInjector:
@@ -190,25 +238,30 @@ class NoiseInjector:
         self._clean = {key: mod.weight.detach().clone() for key, mod in self.targets}
         self.state: tuple[float, int, int] | None = None
         """(sigma, seed, step) of the noise in place; None when the weights are clean."""
+        self.mode = "absolute"
+        """`sigma_mode` of the last `apply`."""
 
     @property
     def keys(self) -> list[str]:
         return [key for key, _ in self.targets]
 
     @torch.no_grad()
-    def apply(self, sigma: float, seed: int, step: int) -> None:
-        """weight <- clean + noise_vector(key, hidden, sigma, seed, step), for every target.
+    def apply(self, sigma: float, seed: int, step: int, mode: str = "absolute") -> None:
+        """weight <- clean + noise_for(clean, sigma, seed, step, key, mode), for every target.
 
         Replaces any noise already in place (never stacks). Sums in float32, then casts once to the
-        weight's dtype.
+        weight's dtype. `mode`: `AQNConfig.sigma_mode` (`absolute` or `relative`).
         """
+        if mode not in SIGMA_MODES:
+            raise ValueError(f"aqn.sigma_mode must be one of {SIGMA_MODES}, got {mode!r}")
         if self.state is not None:
             self.reset()
         for key, mod in self.targets:
             if mod.weight.requires_grad:
                 self._clean[key].copy_(mod.weight)  # trainable: the clean weight is whatever the optimizer left
-        write_noise(self.targets, self._clean, sigma, seed, step)
+        write_noise(self.targets, self._clean, sigma, seed, step, mode)
         self.state = (float(sigma), int(seed), int(step))
+        self.mode = mode
 
     @torch.no_grad()
     def reset(self) -> None:
@@ -222,10 +275,11 @@ class NoiseInjector:
 
 
 @contextlib.contextmanager
-def noised(model_or_injector: nn.Module | NoiseInjector, sigma: float, seed: int, step: int) -> Iterator[NoiseInjector]:
-    """`with noised(model, sigma, seed, step):` runs the block under noise and always resets."""
+def noised(model_or_injector: nn.Module | NoiseInjector, sigma: float, seed: int, step: int,
+           mode: str = "absolute") -> Iterator[NoiseInjector]:
+    """`with noised(model, sigma, seed, step, mode):` runs the block under noise and always resets."""
     inj = model_or_injector if isinstance(model_or_injector, NoiseInjector) else NoiseInjector(model_or_injector)
-    inj.apply(sigma, seed, step)
+    inj.apply(sigma, seed, step, mode)
     try:
         yield inj
     finally:
@@ -249,3 +303,36 @@ def fingerprint(model: nn.Module | NoiseInjector) -> str:
     """
     targets = model.targets if isinstance(model, NoiseInjector) else aqn_norms(model)
     return _fingerprint(targets)
+
+
+# --------------------------------------------------------------------------- magnitudes
+
+
+def _magnitudes(w: torch.Tensor) -> dict[str, float]:
+    """mean |w|, RMS, min, max, median |w| and the share of |w| < 0.05 of a float32 vector `[n]`."""
+    a = w.abs()
+    return {"n": int(w.numel()), "mean_abs": float(a.mean()), "rms": float(w.pow(2).mean().sqrt()),
+            "min": float(w.min()), "max": float(w.max()), "median_abs": float(a.median()),
+            "share_abs_below_0.05": float((a < 0.05).float().mean())}
+
+
+@torch.no_grad()
+def norm_magnitudes(model: nn.Module) -> dict[str, dict]:
+    """Magnitude statistics of a model's AQN targets, which set what an absolute sigma means.
+
+    Returns {"input_layernorm": s, "post_attention_layernorm": s, "all": s}, each s pooling every
+    element of those norms over all layers: `_magnitudes` (n, mean_abs, rms, min, max, median_abs,
+    share_abs_below_0.05) plus `layer_rms_min` / `layer_rms_max`, the smallest and largest RMS of
+    one layer's vector. The relative size of an absolute noise sigma is about sigma / rms.
+    """
+    targets = aqn_norms(model)
+    if not targets:
+        raise ValueError("no AQN targets (input_layernorm / post_attention_layernorm) in this model")
+    out: dict[str, dict] = {}
+    for kind in (*NORM_NAMES, "all"):
+        ws = [m.weight.detach().float().cpu() for k, m in targets if kind == "all" or k.endswith(kind)]
+        stats = _magnitudes(torch.cat(ws))
+        rms = [float(w.pow(2).mean().sqrt()) for w in ws]
+        stats.update(layers=len(ws), layer_rms_min=min(rms), layer_rms_max=max(rms))
+        out[kind] = stats
+    return out

@@ -27,115 +27,43 @@ hive_partitioning=False)` read them without qerl (README, "Audit").
 
 from __future__ import annotations
 
-import csv
 import hashlib
-import io
 import json
 import math
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from qerl_lib.paths import Layout
+from qerl_lib.tables import Result
+
+__all__ = ["Audit", "AuditError", "Result", "default_root"]
 
 
 class AuditError(ValueError):
     """A query that cannot be answered (no files, no such row); the message says why."""
 
 
+def has_rollouts(root: str | Path) -> bool:
+    """Whether `root` holds a rollout or scored file of any step (a workspace `qerl audit` can read)."""
+    lay = Layout(root)
+    return any(lay.root.glob(f"rollouts/step=*/{lay.rollouts(0).name}")) or any(
+        lay.root.glob(f"rewards/step=*/{lay.scored(0).name}"))
+
+
 def default_root() -> str:
-    """The workspace `qerl audit` reads when none is given: the current directory when it is a
-    DVC workspace (params.yaml + dvc.yaml), else the default run.root."""
-    if Path("params.yaml").is_file() and Path("dvc.yaml").is_file():
-        return "."
+    """The workspace `qerl audit` reads when none is given: the current directory if it holds
+    rollouts (a `dvc repro` at the repository root, or a run.root), else the default run.root
+    (`runs/default`, where `qerl run` writes) if that does. When neither does: the current
+    directory if it is a DVC workspace (params.yaml + dvc.yaml), else the default run.root; the
+    error then names the folder that was read and suggests --root."""
     from qerl_lib.config import RunConfig
 
-    return RunConfig().root
-
-
-# --------------------------------------------------------------------------- results
-
-
-def _cell(v: Any) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        if not math.isfinite(v):
-            return "" if math.isnan(v) else str(v)
-        return f"{v:.6g}"
-    if isinstance(v, (list, tuple)):
-        return json.dumps(list(v))
-    return str(v)
-
-
-@dataclass
-class Result:
-    """A query result: column names and rows, renderable in every `--format`."""
-
-    columns: list[str]
-    rows: list[tuple]
-    title: str = ""
-    notes: list[str] = field(default_factory=list)
-
-    def as_dicts(self) -> list[dict]:
-        return [dict(zip(self.columns, r)) for r in self.rows]
-
-    def to_csv(self) -> str:
-        buf = io.StringIO()
-        w = csv.writer(buf, lineterminator="\n")
-        w.writerow(self.columns)
-        for r in self.rows:
-            w.writerow(["" if v is None else (json.dumps(list(v)) if isinstance(v, (list, tuple)) else v) for v in r])
-        return buf.getvalue()
-
-    def to_markdown(self) -> str:
-        def esc(s: str) -> str:
-            return s.replace("|", "\\|").replace("\n", " ")
-
-        lines = []
-        if self.title:
-            lines += [f"### {self.title}", ""]
-        lines.append("| " + " | ".join(esc(c) for c in self.columns) + " |")
-        lines.append("| " + " | ".join("---" for _ in self.columns) + " |")
-        for r in self.rows:
-            lines.append("| " + " | ".join(esc(_cell(v)) for v in r) + " |")
-        lines += [f"\n{n}" for n in self.notes]
-        return "\n".join(lines) + "\n"
-
-    def to_json(self) -> str:
-        return json.dumps({"title": self.title, "columns": self.columns, "rows": self.as_dicts(),
-                           "notes": self.notes}, indent=2, default=str) + "\n"
-
-    def to_table(self, max_width: int = 60) -> str:
-        def clip(s: str) -> str:
-            s = s.replace("\n", "\\n")
-            return s if len(s) <= max_width else s[: max_width - 1] + "…"
-
-        cells = [[clip(c) for c in self.columns]] + [[clip(_cell(v)) for v in r] for r in self.rows]
-        widths = [max(len(row[i]) for row in cells) for i in range(len(self.columns))]
-        out = []
-        if self.title:
-            out.append(self.title)
-        for j, row in enumerate(cells):
-            out.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
-            if j == 0:
-                out.append("  ".join("-" * w for w in widths))
-        if not self.rows:
-            out.append("(no rows)")
-        out += self.notes
-        return "\n".join(out) + "\n"
-
-    def render(self, fmt: str = "table") -> str:
-        if fmt == "csv":
-            return self.to_csv()
-        if fmt == "markdown":
-            return self.to_markdown()
-        if fmt == "json":
-            return self.to_json()
-        if fmt == "table":
-            return self.to_table()
-        raise AuditError(f"unknown format {fmt!r} (table, csv, markdown, json)")
+    candidates = [".", RunConfig().root]
+    found = next((c for c in candidates if has_rollouts(c)), None)
+    if found is not None:
+        return found
+    return "." if Path("params.yaml").is_file() and Path("dvc.yaml").is_file() else candidates[1]
 
 
 # --------------------------------------------------------------------------- the audit
@@ -193,8 +121,10 @@ class Audit:
 
         self.layout = Layout(root)
         self.root = self.layout.root
+        self.where = str(self.root.resolve())
+        """The workspace as an absolute path (named at the top of every result)."""
         if not self.root.is_dir():
-            raise AuditError(f"workspace not found: {self.root}")
+            raise AuditError(f"workspace not found: {self.where} (pass the run's folder with --root)")
         self.con = duckdb.connect()
         self.rollout_files = _files(self.root / "rollouts", self.layout.rollouts(0).name)
         self.scored_files = _files(self.root / "rewards", self.layout.scored(0).name)
@@ -250,11 +180,15 @@ class Audit:
     def _run(self, query: str, params: list | None = None, title: str = "") -> Result:
         rel = self.con.execute(query, params or [])
         cols = [d[0] for d in rel.description]
-        return Result(cols, [tuple(r) for r in rel.fetchall()], title)
+        return Result(cols, [tuple(r) for r in rel.fetchall()], title, workspace=self.where)
 
     def _need_rows(self) -> None:
         if not self.rollout_files and not self.scored_files:
-            raise AuditError(f"no rollout files under {self.root / 'rollouts'} (has the rollout stage run?)")
+            from qerl_lib.config import RunConfig
+
+            raise AuditError(f"no rollout files in workspace {self.where} (no rollouts/step=*/ there: has a rollout "
+                             f"stage run in it?); pass the run's folder with --root (`qerl run` writes to "
+                             f"{RunConfig().root} unless run.root says otherwise)")
 
     # ----------------------------------------------------------------- queries
 
@@ -483,7 +417,7 @@ class Audit:
             for k in sorted(flat):
                 add(f"param.{k}", flat[k])
         add("git.commit_now", _git_head(self.root))
-        return Result(["field", "value"], out, title=f"lineage of rollout@{step} row {row}")
+        return Result(["field", "value"], out, title=f"lineage of rollout@{step} row {row}", workspace=self.where)
 
     def _config_hash(self, cfg_file: Path) -> str | None:
         try:

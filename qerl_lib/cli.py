@@ -33,13 +33,15 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def _load(args):
     from qerl_lib.config import load_config
-    from qerl_lib.model import set_threads
 
     overrides = list(args.overrides)
     if args.root:
         overrides.append(f"run.root={args.root}")
     cfg = load_config(args.config, overrides)
-    set_threads(cfg.run.threads)
+    if cfg.run.threads:  # torch is imported only when needed: a reward stage never loads it
+        from qerl_lib.model import set_threads
+
+        set_threads(cfg.run.threads)
     return cfg
 
 
@@ -50,6 +52,9 @@ def _setup_logging(verbose: bool) -> None:
                         handlers=[RichHandler(show_path=False, rich_tracebacks=False)])
     for noisy in ("llmcompressor", "httpx", "transformers", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # bitsandbytes warns on import, in every process that loads peft, that the optional `kernels`
+    # package is missing (a faster NF4 CPU kernel): advice, not a fault; shown with -v.
+    logging.getLogger("bitsandbytes").setLevel(logging.INFO if verbose else logging.ERROR)
     logging.getLogger("qerl_lib").setLevel(logging.INFO)
 
 
@@ -86,6 +91,10 @@ def cmd_run(args) -> int:
 
     run_all(cfg, on_event)
     _print_artifacts(console, cfg, layout)
+    from qerl_lib.outcome import result_lines
+
+    for line in result_lines(layout.root, cfg.run.steps):  # the run's result, last on screen
+        console.print(line, highlight=False, soft_wrap=True)
     return 0
 
 
@@ -294,7 +303,7 @@ def render_params(cfg) -> str:
 def cmd_plan(args) -> int:
     import yaml
 
-    from qerl_lib.config import ConfigError, expected_plan, load_config, parse_overrides
+    from qerl_lib.config import ConfigError, expected_plan, load_config, parse_overrides, yaml_error
     from qerl_lib.io import atomic_write_text, sweep_dead_temporaries
 
     target = Path(args.params)
@@ -306,7 +315,7 @@ def cmd_plan(args) -> int:
         try:
             tree = yaml.safe_load(Path(source).read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {source} is not valid YAML: {e}") from e
+            raise ConfigError(f"config file {source} is not valid YAML: {yaml_error(e)}") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {source} must hold a mapping at the top level")
     tree.pop("plan", None)  # recomputed below; a stale one must not fail validation
@@ -463,17 +472,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qerl: error: {e}", file=sys.stderr)
         return 1
     except (ConfigError, SchemaError, FileNotFoundError, WorkspaceBusy, ConfigMismatch, AuditError) as e:
-        print(f"qerl: error: {e}", file=sys.stderr)
+        print(f"qerl: error: {e}{_dvc_hint(args)}", file=sys.stderr)
         return 2
     except ValueError as e:
-        print(f"qerl: error: {e}", file=sys.stderr)
+        print(f"qerl: error: {e}{_dvc_hint(args)}", file=sys.stderr)
         return 2
     except OSError as e:
         message = environment_error(e)
         if message is None:
             raise
-        print(f"qerl: error: {message}", file=sys.stderr)
+        print(f"qerl: error: {message}{_dvc_hint(args)}", file=sys.stderr)
         return 2
+
+
+def _dvc_hint(args) -> str:
+    """Under `dvc repro` (DVC sets DVC_STAGE for the stage's command), DVC has removed the stage's
+    outputs before starting it; a refused stage says how to get them back from DVC's cache, where
+    every output of the last successful run is (dvc.lock still records them)."""
+    stage = os.environ.get("DVC_STAGE")
+    if getattr(args, "command", None) != "stage" or not stage:
+        return ""
+    return f" (DVC removed the outputs of {stage} before starting it: `dvc checkout {stage}` restores the last ones)"
 
 
 _ENVIRONMENT_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",

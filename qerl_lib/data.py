@@ -512,10 +512,15 @@ def prepare(cfg: DataConfig, seed: int, out_dir: Path) -> dict:
     tables = {"train": to_table(train, meta), "test": to_table(test, meta)}
     out_dir = Path(out_dir)
     paths = {split: out_dir / f"{split}.parquet" for split in tables}
-    # Both temporaries are written before either is renamed into place.
-    with atomic_path(paths["train"]) as tmp_train, atomic_path(paths["test"]) as tmp_test:
-        _write(tables["train"], tmp_train)
-        _write(tables["test"], tmp_test)
+    # Both temporaries are written before either is renamed into place, and test.parquet (the
+    # stage's done-marker, `stages.registry`) is committed last: the old marker goes first, then
+    # train is renamed (inner block), then test. A kill at any point leaves either the old pair,
+    # or no marker (so the stage runs again), never a marker beside a missing or stale train.
+    with atomic_path(paths["test"]) as tmp_test:
+        with atomic_path(paths["train"]) as tmp_train:
+            _write(tables["train"], tmp_train)
+            _write(tables["test"], tmp_test)
+            paths["test"].unlink(missing_ok=True)
     return {
         "source": name,
         "layout": layout,

@@ -21,7 +21,6 @@ as vLLM must apply them separately).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import warnings
@@ -32,12 +31,14 @@ from peft.tuners.lora.layer import Linear as PeftLoraLinear
 from torch import nn
 
 from qerl_lib.config import LoraConfig
-from qerl_lib.io import atomic_dir, atomic_write_json
+from qerl_lib.hashing import adapter_hash  # noqa: F401  (re-exported)
+from qerl_lib.tensor_files import NonFiniteAdapter, read_safetensors  # noqa: F401  (re-exported)
+from qerl_lib.io import atomic_dir
+from qerl_lib.paths import ADAPTER_WEIGHTS
 from qerl_lib.nvfp4_linear import NVFP4Linear
 from qerl_lib.seeds import generator
 
 ADAPTER_NAME = "default"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 NORMS_FILE = "norms.safetensors"
 
@@ -138,12 +139,28 @@ def trainable_parameters(peft_model: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def save_adapter(peft_model, out_dir: str | Path, base_model_name_or_path: str | None = None) -> Path:
-    """Write a standard PEFT adapter to `out_dir` atomically; return its path.
+    """Write a standard PEFT adapter to `out_dir` atomically (`write_adapter_files` into a
+    temporary directory swapped in whole); return its path."""
+    out_dir = Path(out_dir)
+    with atomic_dir(out_dir) as tmp:
+        write_adapter_files(peft_model, tmp, base_model_name_or_path)
+    return out_dir
+
+
+def write_adapter_files(peft_model, out_dir: str | Path, base_model_name_or_path: str | None = None) -> Path:
+    """Write the adapter's files into the existing directory `out_dir`, in place.
+
+    For a caller that builds the adapter directory itself inside `qerl_lib.io.atomic_dir` (the
+    stages add optimizer and trainer state beside it): no second atomic directory is opened
+    inside the caller's, so a kill leaves only the caller's one temporary directory.
 
     Files: adapter_config.json (explicit, sorted `target_modules`;
     `base_model_name_or_path` = the argument, else the loaded checkpoint's directory),
     adapter_model.safetensors (float32 lora_A/lora_B of the "default" adapter), and
     norms.safetensors with the RMSNorm weights when they are trainable.
+
+    Raises `NonFiniteAdapter` (a ValueError) before writing anything when a LoRA or norm
+    weight holds NaN or infinity: such an adapter would only fail later, in the next rollout.
     """
     from safetensors.torch import save_file
 
@@ -151,21 +168,29 @@ def save_adapter(peft_model, out_dir: str | Path, base_model_name_or_path: str |
     config = peft_model.peft_config[ADAPTER_NAME]
     base = base_model_name_or_path or config.base_model_name_or_path or getattr(peft_model.get_base_model(), "name_or_path", None)
     norms = {k: p for k, p in _norm_parameters(peft_model.get_base_model()).items() if p.requires_grad}
-    with atomic_dir(out_dir) as tmp:
-        peft_model.save_pretrained(str(tmp), selected_adapters=[ADAPTER_NAME])
-        cfg_path = tmp / ADAPTER_CONFIG
-        cfg_json = json.loads(cfg_path.read_text())
-        cfg_json["base_model_name_or_path"] = str(base) if base is not None else None
-        cfg_json["target_modules"] = sorted(config.target_modules)
-        atomic_write_json(cfg_path, cfg_json)
-        if norms:
-            save_file({k: p.detach().contiguous().cpu() for k, p in norms.items()}, str(tmp / NORMS_FILE))
+    bad = [name for name, p in peft_model.named_parameters()
+           if ("lora_A" in name or "lora_B" in name or p.requires_grad) and not bool(torch.isfinite(p).all())]
+    if bad:
+        raise NonFiniteAdapter(f"{out_dir}: not written: the adapter holds NaN or infinite weights "
+                               f"({len(bad)} tensor(s), first {bad[0]})")
+    peft_model.save_pretrained(str(out_dir), selected_adapters=[ADAPTER_NAME])
+    cfg_path = out_dir / ADAPTER_CONFIG
+    cfg_json = json.loads(cfg_path.read_text())
+    cfg_json["base_model_name_or_path"] = str(base) if base is not None else None
+    cfg_json["target_modules"] = sorted(config.target_modules)
+    cfg_path.write_text(json.dumps(cfg_json, indent=2, sort_keys=True, default=str) + "\n")
+    if norms:
+        save_file({k: p.detach().contiguous().cpu() for k, p in norms.items()}, str(out_dir / NORMS_FILE))
     return out_dir
 
 
 def _check_compatible(peft_model, adapter_dir: Path) -> None:
     """Raise if the adapter on disk has another rank, alpha or target set than the live one."""
-    on_disk = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
+    from qerl_lib.io import read_json
+
+    on_disk = read_json(adapter_dir / ADAPTER_CONFIG)
+    if not isinstance(on_disk, dict):
+        raise ValueError(f"{adapter_dir / ADAPTER_CONFIG}: not a JSON object")
     live = peft_model.peft_config[ADAPTER_NAME]
     for key, live_value in (("r", live.r), ("lora_alpha", live.lora_alpha)):
         if on_disk.get(key) != live_value:
@@ -184,14 +209,13 @@ def load_adapter_weights(peft_model, adapter_dir: str | Path) -> None:
     state stays attached); also loads norms.safetensors when present. Raises if rank,
     alpha or targets differ, or if any LoRA tensor is missing or unexpected."""
     from peft.utils import set_peft_model_state_dict
-    from safetensors.torch import load_file
 
     adapter_dir = Path(adapter_dir)
     weights_path = adapter_dir / ADAPTER_WEIGHTS
     if not weights_path.is_file():
         raise FileNotFoundError(f"missing file: {weights_path}")
     _check_compatible(peft_model, adapter_dir)
-    state = load_file(str(weights_path))
+    state = read_safetensors(weights_path)
     result = set_peft_model_state_dict(peft_model, state, adapter_name=ADAPTER_NAME)
     missing = [k for k in result.missing_keys if "lora_" in k]
     if missing or result.unexpected_keys:
@@ -199,7 +223,7 @@ def load_adapter_weights(peft_model, adapter_dir: str | Path) -> None:
     norms_path = adapter_dir / NORMS_FILE
     if norms_path.is_file():
         params = _norm_parameters(peft_model.get_base_model())
-        for key, tensor in load_file(str(norms_path)).items():
+        for key, tensor in read_safetensors(norms_path).items():
             if key not in params:
                 raise ValueError(f"{norms_path}: tensor {key} is not a norm weight of the model")
             if params[key].shape != tensor.shape:
@@ -227,13 +251,3 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path):
     peft_model = apply_lora(model, cfg)
     load_adapter_weights(peft_model, adapter_dir)
     return peft_model
-
-
-def adapter_hash(adapter_dir: str | Path) -> str:
-    """sha256 hex digest of the adapter's adapter_model.safetensors bytes."""
-    path = Path(adapter_dir) / ADAPTER_WEIGHTS
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()

@@ -1,17 +1,8 @@
 """Policy-gradient losses, registered by name (verl style), and the log-prob helpers they need.
 
-Shapes (B sequences of a micro-batch, T completion positions, V vocabulary):
-
-- `logp [B, T]`          log pi_theta(y_t | ...) of the sampled tokens under the current policy
-                         (the only input that carries gradient);
-- `old_logp [B, T]`      the behaviour policy of the PPO ratio: the trainer's log-probs before
-                         this RL step's first optimizer step (equal to `logp` in value on the first
-                         mini-batch);
-- `rollout_logp [B, T]`  what the rollout engine (vLLM / transformers sampler) sampled with;
-                         None means "same as old_logp" (no importance correction);
-- `advantages [B]`       one advantage per sequence (GRPO group-normalised), broadcast over T;
-- `mask [B, T]`          1 on completion tokens that get loss, 0 on padding / filtered samples;
-- `ref_logp [B, T]|None` the reference (the base with the LoRA adapter disabled), for the KL.
+Every loss takes one `LossInputs` (the tensors of a micro-batch and the mini-batch's global
+normalisers; shapes and meanings are documented on its fields) and the `AlgoConfig`:
+`LOSSES[name](x, cfg) -> (loss, stats)`.
 
 Per token (all but `logp` are detached):
 
@@ -79,7 +70,47 @@ class LossNorm:
         return cls(n_seqs=n_seqs, n_tokens=n_tokens, max_len=int(max_len) if max_len is not None else width)
 
 
-LossFn = Callable[..., "tuple[torch.Tensor, dict[str, float]]"]
+@dataclass(frozen=True, eq=False, kw_only=True)
+class LossInputs:
+    """What a policy loss reads for one micro-batch of B sequences and T completion positions.
+
+    Everything except `logp` is treated as constant (detached inside the losses). Built once per
+    micro-batch by the trainer; the shapes are checked here, so a loss never sees mismatched ones.
+    Keyword-only, so that no two (B, T) tensors can be swapped by position; eq=False, because
+    tensors have no single truth value and identity is the only sensible equality.
+    """
+
+    logp: torch.Tensor
+    """(B, T) float32 (float64 in exact tests): log pi_theta(y_t | ...) of the sampled tokens under
+    the current policy; the only input that carries gradient."""
+    old_logp: torch.Tensor
+    """(B, T): the behaviour policy of the PPO ratio, the trainer's log-probs before this RL step's
+    first optimizer step (equal to `logp` in value on the first mini-batch)."""
+    advantages: torch.Tensor
+    """(B,): one advantage per sequence (GRPO group-normalised), broadcast over T."""
+    mask: torch.Tensor
+    """(B, T) float: 1 on completion tokens that get loss, 0 on padding and filtered samples."""
+    norm: LossNorm
+    """Global counts of the whole mini-batch this micro-batch belongs to (not of this micro-batch
+    alone), so that the micro-batch losses add up to the mini-batch loss."""
+    rollout_logp: torch.Tensor | None = None
+    """(B, T) float32: the log-probs the rollout engine (vLLM / transformers sampler) sampled with;
+    None means "same as old_logp" (no importance correction)."""
+    ref_logp: torch.Tensor | None = None
+    """(B, T) float32: the reference policy (the base with the LoRA adapter disabled) for the KL;
+    None when no KL is computed."""
+
+    def __post_init__(self) -> None:
+        want = tuple(self.mask.shape)
+        for name in ("logp", "old_logp", "rollout_logp", "ref_logp"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != want:
+                raise ValueError(f"LossInputs.{name} has shape {tuple(t.shape)}, mask has {want}; they must agree")
+        if tuple(self.advantages.shape) != (want[0],):
+            raise ValueError(f"LossInputs.advantages must be [B]={want[0]}, got {tuple(self.advantages.shape)}")
+
+
+LossFn = Callable[[LossInputs, AlgoConfig], "tuple[torch.Tensor, dict[str, float]]"]
 LOSSES: dict[str, LossFn] = {}
 
 
@@ -220,38 +251,26 @@ def _per_sequence_mean(x: torch.Tensor, mask: torch.Tensor, n_seqs: int) -> torc
     return seq.sum() / max(n_seqs, 1)
 
 
-def _common(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    rollout_logp: torch.Tensor | None,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    cfg: AlgoConfig,
-    norm: LossNorm,
-) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
-    """Per-token weighted surrogate l_t = w_t s_t, per-token k3 (or None), additive token stats."""
-    if logp.shape != mask.shape or old_logp.shape != mask.shape:
-        raise ValueError(f"logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and mask {tuple(mask.shape)} differ")
-    if advantages.shape != (logp.shape[0],):
-        raise ValueError(f"advantages must be [B]={logp.shape[0]}, got {tuple(advantages.shape)}")
-    mask = mask.detach().float()
-    surrogate, ratio, clipped = clipped_surrogate(logp, old_logp, advantages, cfg.eps_low, cfg.eps_high)
-    w = tis_weights(old_logp, rollout_logp, cfg.tis_cap)
+def _common(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+    """Per-token weighted surrogate l_t = w_t s_t `[B, T]`, per-token k3 `[B, T]` (or None), additive
+    token stats."""
+    mask = x.mask.detach().float()
+    surrogate, ratio, clipped = clipped_surrogate(x.logp, x.old_logp, x.advantages, cfg.eps_low, cfg.eps_high)
+    w = tis_weights(x.old_logp, x.rollout_logp, cfg.tis_cap)
     per_token = w * surrogate
-    n_tok = max(norm.n_tokens, 1)
+    n_tok = max(x.norm.n_tokens, 1)
     with torch.no_grad():
         stats = {
             "clip_frac": float(masked_sum(clipped, mask) / n_tok),
             "ratio_mean": float(masked_sum(ratio, mask) / n_tok),
             "tis_mean": float(masked_sum(w, mask) / n_tok),
             "tis_capped_frac": float(masked_sum((w >= cfg.tis_cap).float(), mask) / n_tok)
-            if cfg.tis_cap is not None and rollout_logp is not None
+            if cfg.tis_cap is not None and x.rollout_logp is not None
             else 0.0,
         }
     kl = None
-    if ref_logp is not None:
-        kl = k3_kl(logp, ref_logp)
+    if x.ref_logp is not None:
+        kl = k3_kl(x.logp, x.ref_logp)
         stats["kl"] = float(masked_sum(kl.detach(), mask) / n_tok)
     return per_token, kl, stats
 
@@ -260,86 +279,50 @@ def _common(
 
 
 @register_loss("grpo")
-def grpo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    rollout_logp: torch.Tensor | None,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    cfg: AlgoConfig,
-    norm: LossNorm,
-) -> tuple[torch.Tensor, dict[str, float]]:
+def grpo_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO: seq-mean-token-mean of the surrogate + beta * seq-mean-token-mean of k3.
 
     loss = (1/n_seqs) sum_i [ (1/|y_i|) sum_t (w s)_it + beta (1/|y_i|) sum_t k3_it ].
-    `ref_logp` is required when beta > 0 (the base with the adapter disabled).
+    `x.ref_logp` is required when beta > 0 (the base with the adapter disabled).
     """
-    if cfg.beta > 0 and ref_logp is None:
+    if cfg.beta > 0 and x.ref_logp is None:
         raise ValueError("grpo with beta > 0 needs ref_logp (the base with the adapter disabled)")
-    per_token, kl, stats = _common(logp, old_logp, rollout_logp, advantages, mask, ref_logp, cfg, norm)
-    m = mask.detach().float()
-    pg = _per_sequence_mean(per_token, m, norm.n_seqs)
+    per_token, kl, stats = _common(x, cfg)
+    m = x.mask.detach().float()
+    pg = _per_sequence_mean(per_token, m, x.norm.n_seqs)
     loss = pg
     stats["pg_loss"] = float(pg.detach())
     if kl is not None and cfg.beta > 0:
-        kl_loss = cfg.beta * _per_sequence_mean(kl, m, norm.n_seqs)
+        kl_loss = cfg.beta * _per_sequence_mean(kl, m, x.norm.n_seqs)
         loss = loss + kl_loss
         stats["kl_loss"] = float(kl_loss.detach())
     return loss, stats
 
 
 @register_loss("dapo")
-def dapo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    rollout_logp: torch.Tensor | None,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    cfg: AlgoConfig,
-    norm: LossNorm,
-) -> tuple[torch.Tensor, dict[str, float]]:
+def dapo_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """DAPO: token-level mean over the mini-batch, loss = sum_{i,t} (w s)_it m_it / n_tokens; no KL
-    (a given `ref_logp` only feeds the `kl` stat)."""
-    per_token, _, stats = _common(logp, old_logp, rollout_logp, advantages, mask, ref_logp, cfg, norm)
-    loss = masked_sum(per_token, mask.detach().float()) / max(norm.n_tokens, 1)
+    (a given `x.ref_logp` only feeds the `kl` stat)."""
+    per_token, _, stats = _common(x, cfg)
+    loss = masked_sum(per_token, x.mask.detach().float()) / max(x.norm.n_tokens, 1)
     stats["pg_loss"] = float(loss.detach())
     return loss, stats
 
 
 @register_loss("dr_grpo")
-def dr_grpo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    rollout_logp: torch.Tensor | None,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    ref_logp: torch.Tensor | None,
-    cfg: AlgoConfig,
-    norm: LossNorm,
-) -> tuple[torch.Tensor, dict[str, float]]:
+def dr_grpo_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """Dr. GRPO: loss = sum_{i,t} (w s)_it m_it / (n_seqs * max_len), a constant normaliser that
     removes GRPO's length bias; no KL. Unscaled advantages (r - mean, no std) are the caller's
     part (`AlgoConfig.scale_rewards=False`)."""
-    per_token, _, stats = _common(logp, old_logp, rollout_logp, advantages, mask, ref_logp, cfg, norm)
-    loss = masked_sum(per_token, mask.detach().float()) / max(norm.n_seqs * norm.max_len, 1)
+    per_token, _, stats = _common(x, cfg)
+    loss = masked_sum(per_token, x.mask.detach().float()) / max(x.norm.n_seqs * x.norm.max_len, 1)
     stats["pg_loss"] = float(loss.detach())
     return loss, stats
 
 
-def policy_loss(
-    cfg: AlgoConfig,
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    rollout_logp: torch.Tensor | None,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    norm: LossNorm,
-    ref_logp: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+def policy_loss(x: LossInputs, cfg: AlgoConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """Dispatch to `LOSSES[cfg.loss]`."""
-    return get_loss(cfg.loss)(logp, old_logp, rollout_logp, advantages, mask, ref_logp, cfg, norm)
+    return get_loss(cfg.loss)(x, cfg)
 
 
 def add_stats(total: dict[str, float], part: dict[str, float]) -> dict[str, float]:

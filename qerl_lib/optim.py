@@ -85,9 +85,20 @@ def lr_factor(opt_step: int, total_opt_steps: int, cfg: OptimConfig) -> float:
     return m + (1.0 - m) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, total_opt_steps: int, cfg: OptimConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """LambdaLR over `lr_factor`: call `scheduler.step()` after each `optimizer.step()`."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_opt_steps, cfg))
+def make_scheduler(optimizer: torch.optim.Optimizer, total_opt_steps: int, cfg: OptimConfig,
+                   done: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+    """LambdaLR over `lr_factor`: call `scheduler.step()` after each `optimizer.step()`. `done`
+    optimizer steps already taken (a resumed adapter) are replayed, so the next lr is step `done`'s."""
+    import warnings
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total_opt_steps, cfg))
+    with warnings.catch_warnings():
+        # The replay steps the schedule before this process's first optimizer.step(), which torch
+        # warns about (a misordered training loop); here it is the intent.
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+        for _ in range(done):
+            scheduler.step()
+    return scheduler
 
 
 def set_lr(optimizer: torch.optim.Optimizer, opt_step: int, total_opt_steps: int, cfg: OptimConfig) -> float:

@@ -158,7 +158,8 @@ class Layout:
         return self.root / ".qerl.lock"
 
 
-# File names inside an adapter directory beside PEFT's own files.
+# File names inside an adapter directory: PEFT's weights, and ours beside them.
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 OPTIMIZER_STATE = "optimizer.pt"
 TRAINER_STATE = "trainer_state.json"
 NORMS_FILE = "norms.safetensors"

@@ -56,11 +56,15 @@ def run_call(call: registry.Call, cfg: QerlConfig, layout: Layout, reuse_policy:
 
 @contextmanager
 def workspace_lock(layout: Layout) -> Iterator[None]:
-    """The workspace's lock, exclusively: no stage, flow or other run works here meanwhile."""
+    """The workspace's lock, exclusively: no stage, flow or other run works here meanwhile; in a
+    DVC workspace also DVC's repository lock, so no `dvc repro` starts meanwhile."""
     from qerl_lib import locks
 
     try:
-        with locks.held(locks.workspace_lock_path(layout.root), True, f"pid {os.getpid()}"):
+        # DVC's lock too, in a DVC workspace: `dvc repro` removes a stage's outputs before its
+        # command could find this run's lock, so it must be refused before it starts.
+        with locks.held(locks.workspace_lock_path(layout.root), True, f"pid {os.getpid()}"), \
+                locks.dvc_repo_lock(layout.root, f"qerl run (pid {os.getpid()})"):
             yield
     except locks.Busy as e:
         raise WorkspaceBusy(

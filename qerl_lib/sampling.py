@@ -87,8 +87,12 @@ def sample_batch(
     params: SamplingParams,
     eos_ids: set[int],
     pad_id: int,
+    on_step=None,
 ) -> list[Completion]:
-    """Sample one completion per prompt. prompts: B lists of token ids; seeds: B ints."""
+    """Sample one completion per prompt. prompts: B lists of token ids; seeds: B ints.
+
+    `on_step(tokens_decoded, rows_finished)`, when given, is called after every decode step (progress
+    inside a batch; it never changes a token)."""
     device = next(model.parameters()).device
     ids, mask = _left_pad(prompts, pad_id, device)
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
@@ -134,6 +138,8 @@ def sample_batch(
             next_ids[i] = tok
             if tok in eos_ids:
                 finish[i] = "stop"
+        if on_step is not None:
+            on_step(t + 1, sum(f is not None for f in finish))
         if all(f is not None for f in finish):
             break
         step_ids = next_ids.view(B, 1).to(device)

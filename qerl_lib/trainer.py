@@ -139,7 +139,17 @@ def _chunks(n: int, parts: int) -> list[range]:
     return [range(s, min(s + size, n)) for s in range(0, n, size)]
 
 
-def train_on_rollouts(policy, optimizer, scheduler, rows: list[dict], cfg: QerlConfig, ctx=None) -> dict:
+def update_work(n_rows: int, cfg: QerlConfig, world_size: int = 1) -> int:
+    """Micro-batch passes one rank runs in `train_on_rollouts` for `n_rows` kept rows (the unit of its
+    progress): the training passes, plus the no-grad behaviour pass when there are several mini-batches."""
+    mbs = cfg.optim.micro_batch_size
+    per_mini = [math.ceil(len(r) / mbs) for r in _chunks(n_rows, cfg.algo.mini_batches)] if n_rows else []
+    mine = sum(math.ceil(n / world_size) for n in per_mini)  # rank 0's share, the largest
+    return mine * (2 if len(per_mini) > 1 else 1)
+
+
+def train_on_rollouts(policy, optimizer, scheduler, rows: list[dict], cfg: QerlConfig, ctx=None,
+                      progress=None) -> dict:
     """Run `algo.mini_batches` optimizer steps over `rows` (kept rows only). Returns metrics.
 
     Each mini-batch is split into micro-batches of `optim.micro_batch_size` sequences whose
@@ -147,10 +157,11 @@ def train_on_rollouts(policy, optimizer, scheduler, rows: list[dict], cfg: QerlC
     mini-batch, so the accumulated gradient equals the full mini-batch's. With a
     `qerl_lib.distributed.DistContext`, this rank runs every world_size-th micro-batch and the
     gradients and metric sums are summed over the group (same result on every rank).
+    `progress(n)`, when given, is called with the micro-batch passes done so far (`update_work`).
     """
     from qerl_lib.checkpointing import enable_checkpointing
     from qerl_lib.distributed import all_reduce_grads, all_reduce_sums, shard
-    from qerl_lib.losses import LOSSES, LossNorm, add_stats
+    from qerl_lib.losses import LOSSES, LossInputs, LossNorm, add_stats
     from qerl_lib.optim import clip_grad_norm
 
     model = policy.model
@@ -169,12 +180,16 @@ def train_on_rollouts(policy, optimizer, scheduler, rows: list[dict], cfg: QerlC
     # The whole update (forward, backward, checkpoint recomputation) runs under one SDPA choice.
     with training_attention(policy.device):
         old_logps: dict[tuple[int, int], torch.Tensor] = {}
+        passes = 0
         if len(minis) > 1:
             # Later mini-batches step a policy that has already moved: freeze the behaviour logprobs first.
             with torch.no_grad():
                 for a, batches in enumerate(micro):
                     for b_i, b in shard(batches, ctx):
                         old_logps[a, b_i] = policy_logprobs(model, b, temperature, False)[0]
+                        passes += 1
+                        if progress is not None:
+                            progress(passes)
 
         totals: dict[str, float] = {}
         entropy_sum = mismatch_sum = tokens_total = 0.0
@@ -192,7 +207,9 @@ def train_on_rollouts(policy, optimizer, scheduler, rows: list[dict], cfg: QerlC
                 if use_ref:
                     with torch.no_grad(), model.disable_adapter():
                         ref = policy_logprobs(model, b, temperature, False)[0]
-                loss, stats = loss_fn(logp, old, b.rollout_logp, b.advantages, b.mask, ref, cfg.algo, norm)
+                x = LossInputs(logp=logp, old_logp=old, advantages=b.advantages, mask=b.mask, norm=norm,
+                               rollout_logp=b.rollout_logp, ref_logp=ref)
+                loss, stats = loss_fn(x, cfg.algo)
                 loss.backward()
                 loss_total += float(loss.detach())
                 add_stats(totals, stats)
@@ -201,6 +218,9 @@ def train_on_rollouts(policy, optimizer, scheduler, rows: list[dict], cfg: QerlC
                 entropy_sum += float((entropy * m).sum())
                 # k1 estimate of KL(rollout engine || trainer) on the sampled tokens: the engine mismatch.
                 mismatch_sum += float(((b.rollout_logp - old) * m).sum())
+                passes += 1
+                if progress is not None:
+                    progress(passes)
             all_reduce_grads(params, ctx)
             gnorm = clip_grad_norm(params, cfg.optim.grad_clip)
             lrs.append(optimizer.param_groups[0]["lr"])

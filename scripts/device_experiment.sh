@@ -20,17 +20,32 @@
 #                                          $OUT/compare; each arm's reports, metrics and a few rollouts
 #                                          go to $OUT/ARM. A second call resumes unfinished arms.
 # ARMS_TIMEOUT (s, default 540) bounds the arms; a killed arm resumes where it stopped on the next call.
+#
+# Issue 16's model, Qwen2.5-Coder-0.5B-Instruct (model.base: qwen2.5-coder-0.5b, 491,400,064 B), travels
+# as nine carried pieces of at most 58,000,000 B (QWEN_PIECE_MAX), one per call:
+#   scripts/device_experiment.sh pack-qwen05   here: join + hash the installed `qwen05` extra's parts
+#                                              (qerl_lib.registry_models), cut the file into
+#                                              .device/qwen05/p0 .. p8 (each with a manifest)
+#   scripts/device_experiment.sh qwen05        there, once per carried piece: keep it in
+#                                              /tmp/qerl-exp/stash/qwen05; once every piece of the
+#                                              manifest is there, join them, check size and sha256
+#                                              against the pins and place the file in the project
+#                                              cache ($QERL_CACHE_DIR/models/<sha256>.gguf, QERL_CACHE_DIR
+#                                              = /tmp/qerl-exp/cache in exp_env), where model.base=
+#                                              qwen2.5-coder-0.5b finds it without the packages.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 cmd=${1:-help}
 shift || true
 OUT=${OUT:-/tmp/qerl-out}
 EXP=/tmp/qerl-exp
+QWEN_PIECE_MAX=${QWEN_PIECE_MAX:-58000000}  # bytes per Qwen piece: 6 MB of the 64 MiB carry left for the tree
 PIECE_BYTES=(58000000 36000000)  # GGUF bytes in pieces a and b (c: the rest): a leaves 9 MB of the 64 MiB carry for the working tree
 
 exp_env() {
   export PYTHONPATH=$EXP/site:/tmp/vllm-site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
   export DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 VLLM_NO_USAGE_STATS=1
+  export QERL_CACHE_DIR=$EXP/cache  # where qwen05 places the joined GGUF (qerl_lib.registry_models.cache_dir)
 }
 
 pack() {
@@ -142,9 +157,70 @@ EOF
   echo "arms done in $((SECONDS - t0)) s"
 }
 
+pack_qwen05() {
+  local py=${PYTHON:-.venv/bin/python}
+  QWEN_PIECE_MAX=$QWEN_PIECE_MAX "$py" - <<'EOF'
+import json, math, os, shutil
+from pathlib import Path
+from qerl_lib.registry_models import PACKAGED_MODELS, packaged_gguf_path
+m = PACKAGED_MODELS["qwen2.5-coder-0.5b"]
+gguf = packaged_gguf_path(m.name, verify=True)  # joins the installed parts on first use; full hash here
+n = math.ceil(m.size / int(os.environ["QWEN_PIECE_MAX"]))
+step = math.ceil(m.size / n)
+root = Path(".device/qwen05")
+shutil.rmtree(root, ignore_errors=True)
+names = [f"qwen05.gguf.part{i:02d}" for i in range(n)]
+manifest = {"model": m.name, "size": m.size, "sha256": m.sha256, "pieces": names}
+with open(gguf, "rb") as f:
+    for i, name in enumerate(names):
+        d = root / f"p{i}"
+        d.mkdir(parents=True)
+        (d / name).write_bytes(f.read(step))
+        (d / "qwen05.manifest.json").write_text(json.dumps(manifest) + "\n")
+for d in sorted(root.iterdir()):
+    print(d, sum(p.stat().st_size for p in d.rglob("*") if p.is_file()), "bytes")
+EOF
+}
+
+qwen05() {
+  local s=$EXP/stash/qwen05 d
+  mkdir -p $s
+  for d in .device/qwen05/*/; do
+    [ -d "$d" ] && cp "$d"* $s/
+  done
+  exp_env
+  python3 - "$s" <<'EOF'
+import json, sys
+from pathlib import Path
+from qerl_lib.io import atomic_path
+from qerl_lib.registry_models import PACKAGED_MODELS, cache_dir, join_parts
+stash = Path(sys.argv[1])
+man = json.loads((stash / "qwen05.manifest.json").read_text())
+m = PACKAGED_MODELS[man["model"]]
+assert (man["size"], man["sha256"]) == (m.size, m.sha256), "manifest does not match the pinned model"
+dest = cache_dir() / f"{m.sha256}.gguf"
+if dest.is_file() and dest.stat().st_size == m.size:
+    print(f"qwen05: {dest} in place"); sys.exit(0)
+missing = [p for p in man["pieces"] if not (stash / p).is_file()]
+if missing:
+    print(f"qwen05: {len(man['pieces']) - len(missing)}/{len(man['pieces'])} pieces stashed; carry the rest "
+          f"({', '.join(missing)})"); sys.exit(0)
+with atomic_path(dest) as tmp:
+    size, digest = join_parts([stash / p for p in man["pieces"]], tmp)
+    if (size, digest) != (m.size, m.sha256):
+        sys.exit(f"qwen05: pieces join to {size} B sha256 {digest}, expected {m.size} B sha256 {m.sha256}")
+print(f"qwen05: joined {size} B, sha256 {digest} ok -> {dest}")
+for p in man["pieces"]:
+    (stash / p).unlink()  # /tmp is small: keep one copy
+EOF
+}
+
 case "$cmd" in
   pack) PIECE_BYTES="${PIECE_BYTES[*]}" pack ;;
+  pack-qwen05) pack_qwen05 ;;
+  qwen05) qwen05 ;;
+
   stash) stash ;;
   arms) arms "$@" ;;
-  *) sed -n '2,21p' "$0" ;;
+  *) sed -n '2,35p' "$0" ;;
 esac

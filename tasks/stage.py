@@ -21,7 +21,9 @@ GPU stages (convert, rollout, update, eval) hold a slot of the `qerl-gpu` global
 concurrency limit while they run (`tasks.gpu`).
 
 The stage's output (DVC's and the stage's own) streams line by line into the task run's
-log, so the Prefect UI shows, per stage, what ran and what it printed. The command runs
+log, so the Prefect UI shows, per stage, what ran and what it printed. The stage's heartbeat
+lines (`qerl-progress LABEL: done/total unit (p%), s elapsed, ETA s`, `qerl_lib.progress`) also
+move the flow's progress artifact while the stage runs (`ArtifactProgress`, at most every 5 s). The command runs
 under a small guard (`tasks/_guard.py`) that kills the stage's whole process tree when the
 flow process dies, even by SIGKILL.
 
@@ -50,6 +52,7 @@ from prefect.tasks import exponential_backoff
 from tasks.gpu import GpuBusy, gpu_slot
 
 from qerl_lib.paths import Layout  # noqa: E402
+from qerl_lib.progress import parse_heartbeat  # noqa: E402  (light: no torch)
 from qerl_lib.stages import registry  # noqa: E402  (light: paths only)
 
 GPU_STAGES = frozenset(s.name for s in registry.STAGES if s.gpu)
@@ -203,9 +206,16 @@ def work_seconds(workspace: Path, stage: str) -> float | None:
     return None
 
 
+DVC_HINTS = ("To track the changes with git, run:", "git add ", "To enable auto staging, run:",
+             "dvc config core.autostage true", "Use `dvc push` to send your updates to remote storage.")
+"""Starts of the lines `dvc repro` ends with for a person at a terminal: logged at DEBUG (every
+stage would repeat them; the flow neither stages files in git nor pushes)."""
+
+
 def run_dvc_stage(workspace: str | Path, stage: str, log, dvc: str | None = None,
-                  extra_env: dict[str, str] | None = None) -> dict:
-    """`dvc repro --single-item STAGE` in `workspace`, its output streamed into `log`.
+                  extra_env: dict[str, str] | None = None, on_progress=None) -> dict:
+    """`dvc repro --single-item STAGE` in `workspace`, its output streamed into `log`; each of the
+    stage's heartbeat lines (`qerl_lib.progress`) also goes, parsed, to `on_progress(fields)`.
 
     Returns the timing record; raises `StageInputError` / `StageFailed` on failure.
     """
@@ -240,7 +250,11 @@ def run_dvc_stage(workspace: str | Path, stage: str, log, dvc: str | None = None
                 status = "skipped"
             elif "is cached - skipping run" in line:
                 status = "restored"
-            if line.startswith("ERROR"):
+            elif on_progress is not None and (hb := parse_heartbeat(line)) is not None:
+                on_progress(hb)
+            if line.strip().startswith(DVC_HINTS):
+                log.debug(line)  # DVC's advice to the person at a terminal (git add, autostage, dvc push)
+            elif line.startswith("ERROR"):
                 log.error(line)
             elif line.startswith("WARNING"):
                 log.warning(line)
@@ -267,6 +281,48 @@ def run_dvc_stage(workspace: str | Path, stage: str, log, dvc: str | None = None
     return record
 
 
+PROGRESS_MIN_SECONDS = 5.0
+"""Least seconds between two updates of the flow's progress artifact from inside one stage (the
+stage's heartbeat lines come every 20 s or so; the start and end lines may come in a burst)."""
+
+
+def progress_within(hb: dict, index: int, total: int, title: str) -> tuple[float, str]:
+    """(percent, description) of the flow's progress artifact while stage number `index` (0-based) of
+    `total` reports the heartbeat `hb` (`qerl_lib.progress.parse_heartbeat`): the finished stages plus
+    the stage's own share, and its counts and ETA in words."""
+    share = min(max(hb["percent"], 0), 100) / 100.0
+    eta = "?" if hb["eta"] is None else f"{hb['eta']} s"
+    return (100.0 * (index + share) / max(total, 1),
+            f"{title}: {index}/{total} stages done; {hb['label']} {hb['done']}/{hb['total']} {hb['unit']} "
+            f"({hb['percent']}%), {hb['elapsed']} s elapsed, ETA {eta}")
+
+
+class ArtifactProgress:
+    """Moves the flow's progress artifact from a running stage's heartbeat lines, at most once per
+    `min_seconds` (the last line of a burst is kept for the next allowed update). `update(percent,
+    description)` is `prefect.artifacts.update_progress_artifact` bound to the artifact; `clock` is
+    injectable for tests."""
+
+    def __init__(self, update, index: int, total: int, title: str, min_seconds: float = PROGRESS_MIN_SECONDS,
+                 clock=time.monotonic):
+        self.update, self.index, self.total, self.title = update, index, total, title
+        self.min_seconds, self.clock = min_seconds, clock
+        self._last: float | None = None
+        self.updates = 0
+
+    def __call__(self, hb: dict) -> bool:
+        now = self.clock()
+        if self._last is not None and now - self._last < self.min_seconds:
+            return False
+        self._last = now
+        try:
+            self.update(*progress_within(hb, self.index, self.total, self.title))
+        except Exception:  # the artifact is a view: never fail the stage for it
+            return False
+        self.updates += 1
+        return True
+
+
 def _sibling(exe: str) -> str:
     """`exe` beside the running interpreter (the same virtual environment), else on PATH."""
     cand = Path(sys.executable).with_name(exe)
@@ -284,17 +340,29 @@ def _sibling(exe: str) -> str:
     cache_policy=NO_CACHE,
     persist_result=False,
 )
-def run_stage(workspace: str, stage: str) -> dict:
-    """Run one DVC stage of `workspace` (a git + DVC repository holding dvc.yaml / params.yaml)."""
+def run_stage(workspace: str, stage: str, progress: dict | None = None) -> dict:
+    """Run one DVC stage of `workspace` (a git + DVC repository holding dvc.yaml / params.yaml).
+
+    `progress`: {"id": the flow's progress artifact id, "index": this stage's 0-based position,
+    "total": stages in the flow, "title": the artifact's title}; the stage's heartbeat lines then
+    move that artifact while the stage runs (`ArtifactProgress`)."""
     log = get_run_logger()
     t0 = time.perf_counter()
+    on_progress = None
+    if progress:
+        from prefect.artifacts import update_progress_artifact
+
+        def update(percent: float, description: str) -> None:
+            update_progress_artifact(progress["id"], percent, description=description)
+
+        on_progress = ArtifactProgress(update, int(progress["index"]), int(progress["total"]), str(progress["title"]))
     if is_gpu_stage(stage):
         with gpu_slot(log) as slot:  # a no-op when the calling flow holds it already
-            record = run_dvc_stage(workspace, stage, log)
+            record = run_dvc_stage(workspace, stage, log, on_progress=on_progress)
         record["slot_wait_s"] = slot["wait_s"]
         record["gpu_slot"] = slot["limit"]
     else:
-        record = run_dvc_stage(workspace, stage, log)
+        record = run_dvc_stage(workspace, stage, log, on_progress=on_progress)
         record["slot_wait_s"] = 0.0
         record["gpu_slot"] = None
     record["task_body_s"] = round(time.perf_counter() - t0, 3)
@@ -305,4 +373,5 @@ def run_stage(workspace: str, stage: str) -> dict:
 
 
 __all__ = ["run_stage", "run_dvc_stage", "StageFailed", "StageInputError", "GpuBusy", "GPU_STAGES",
-           "is_gpu_stage", "telemetry_off", "retry_transient", "classify", "work_seconds"]
+           "is_gpu_stage", "telemetry_off", "retry_transient", "classify", "work_seconds", "ArtifactProgress",
+           "progress_within"]

@@ -332,6 +332,7 @@ def make_dvc_repo(dest: Path, tree: dict) -> Path:
     for name in ("dvc.yaml", ".dvcignore", ".gitignore"):
         _shutil.copy(PROJECT_ROOT / name, dest / name)
     _shutil.copy(PROJECT_ROOT / ".dvc" / "config", dest / ".dvc" / "config")
+    _shutil.copytree(PROJECT_ROOT / ".dvc" / "plots", dest / ".dvc" / "plots")  # dvc.yaml's plot templates
     _shutil.copytree(PROJECT_ROOT / "qerl_lib", dest / "qerl_lib",
                      ignore=_shutil.ignore_patterns("__pycache__", "*.pyc"))
     write_params(dest, tree)
@@ -398,3 +399,27 @@ def copy_workspace(layout, dest):
     for sub in ("models", "adapters", "rewards", "data"):
         shutil.copytree(layout.root / sub, dest / sub)
     return Layout(dest)
+
+
+@pytest.fixture(scope="session")
+def fault_ws(tiny_stoppy_llama_dir, tmp_path_factory) -> Path:
+    """The fault tests' workspace (`tests/faultkit.py`): the tests' two-step pipeline with
+    prepare, convert, init_adapter, rollout@0 and reward@0 done through `qerl stage` in this
+    process. Tests work on a copy (`faultkit.copy_ws`)."""
+    from faultkit import build_workspace
+
+    return build_workspace(tiny_stoppy_llama_dir, tmp_path_factory.mktemp("fault") / "ws",
+                           ("prepare", "convert", "init_adapter", "rollout@0", "reward@0"))
+
+
+@pytest.fixture(scope="session")
+def fault_ref(fault_ws, tmp_path_factory) -> Path:
+    """`fault_ws` plus update@0 and eval@0, uninterrupted: what a resumed stage must equal."""
+    from faultkit import copy_ws, stage_argv
+
+    from qerl_lib.cli import main
+
+    ref = copy_ws(fault_ws, tmp_path_factory.mktemp("fault_ref") / "ws")
+    for label in ("update@0", "eval@0"):
+        assert main(stage_argv(ref, label)) == 0, label
+    return ref

@@ -311,3 +311,102 @@ def test_bf16_model():
 def test_no_targets_is_an_error():
     with pytest.raises(ValueError, match="no AQN targets"):
         NoiseInjector(nn.Linear(3, 3))
+
+
+# --------------------------------------------------------------------------- relative sigma
+
+
+def test_relative_noise_scales_with_each_element_of_the_weight():
+    from qerl_lib.aqn import noise_for
+
+    key = "layers.2.post_attention_layernorm"
+    g = torch.Generator().manual_seed(5)
+    w = torch.rand(4096, generator=g) * 2 - 1  # both signs, some near 0
+    abs_noise = noise_for(w, 0.01, seed=7, step=3, key=key)
+    rel = noise_for(w, 0.01, seed=7, step=3, key=key, mode="relative")
+    # absolute: the paper's noise, whatever the weight
+    assert torch.equal(abs_noise, noise_vector(key, 4096, 0.01, 7, 3))
+    assert torch.equal(noise_for(3 * w, 0.01, 7, 3, key), abs_noise)
+    # relative: the same standard normal draw, times |w| elementwise
+    assert torch.equal(rel, abs_noise * w.abs())
+    assert torch.allclose(noise_for(3 * w, 0.01, 7, 3, key, "relative"), 3 * rel, rtol=1e-6, atol=0)
+    assert torch.equal(noise_for(-w, 0.01, 7, 3, key, "relative"), rel)  # std sigma*|w|: sign-free
+    # its std relative to the weight is sigma, on every element
+    ratio = rel / w
+    assert ratio.std().item() == pytest.approx(0.01, rel=0.05)
+    # a constant weight c gives the absolute noise of sigma * c
+    c = torch.full((64,), 0.25)
+    assert torch.allclose(noise_for(c, 0.04, 1, 1, key, "relative"), noise_vector(key, 64, 0.01, 1, 1), atol=1e-9)
+
+
+def test_relative_noise_is_reproducible_and_zero_at_sigma_zero():
+    from qerl_lib.aqn import noise_for, noisy_weight
+
+    key = "layers.0.input_layernorm"
+    w = torch.linspace(-2, 2, 33).to(torch.bfloat16)
+    a = noise_for(w, 0.02, seed=1, step=4, key=key, mode="relative")
+    assert a.dtype == torch.float32 and a.shape == (33,)
+    assert torch.equal(a, noise_for(w.clone(), 0.02, seed=1, step=4, key=key, mode="relative"))
+    assert not torch.equal(a, noise_for(w, 0.02, seed=1, step=5, key=key, mode="relative"))
+    assert not torch.equal(a, noise_for(w, 0.02, seed=2, step=4, key=key, mode="relative"))
+    for mode in ("absolute", "relative"):
+        assert torch.equal(noise_for(w, 0.0, 1, 4, key, mode), torch.zeros(33))
+        clean = noisy_weight(w, 0.0, 1, 4, key, mode)
+        assert clean.dtype == torch.bfloat16 and torch.equal(clean, w)
+    want = (w.float() + a).to(torch.bfloat16)
+    assert torch.equal(noisy_weight(w, 0.02, 1, 4, key, "relative"), want)
+    with pytest.raises(ValueError, match="sigma_mode"):
+        noise_for(w, 0.02, 1, 4, key, "percent")
+    with pytest.raises(ValueError, match="1-D"):
+        noise_for(w.view(3, 11), 0.02, 1, 4, key)
+
+
+def test_injector_relative_mode_writes_clean_times_one_plus_noise_and_resets_exactly():
+    m = Custom(hidden=32, layers=2)
+    with torch.no_grad():
+        for _, mod in aqn_norms(m):
+            mod.weight.uniform_(-1.5, 1.5)
+    before = snapshot(m)
+    inj = NoiseInjector(m)
+    with noised(inj, 0.05, seed=1, step=2, mode="relative"):
+        assert inj.mode == "relative"
+        for k, mod in aqn_norms(m):
+            z = noise_vector(k, 32, 0.05, 1, 2)
+            assert torch.equal(mod.weight.detach(), before[k] + z * before[k].abs())
+    for k, w in snapshot(m).items():
+        assert torch.equal(w, before[k])
+    inj.apply(0.0, seed=1, step=2, mode="relative")
+    for k, w in snapshot(m).items():
+        assert torch.equal(w, before[k])
+    with pytest.raises(ValueError, match="sigma_mode"):
+        inj.apply(0.05, 1, 2, mode="rel")
+
+
+def test_config_sigma_mode_default_is_the_papers():
+    assert AQNConfig().sigma_mode == "absolute"
+    assert AQNConfig(sigma_mode="relative").sigma_mode == "relative"
+    with pytest.raises(Exception, match="sigma_mode"):
+        AQNConfig(sigma_mode="percent")
+
+
+# --------------------------------------------------------------------------- magnitudes
+
+
+def test_norm_magnitudes():
+    from qerl_lib.aqn import norm_magnitudes
+
+    m = Custom(hidden=4, layers=2)
+    with torch.no_grad():
+        for i, (k, mod) in enumerate(aqn_norms(m)):
+            mod.weight.copy_(torch.tensor([1.0, -1.0, 2.0, -2.0]) * (i + 1))
+    st = norm_magnitudes(m)
+    # input norms are targets 0 and 2 (scale 1 and 3), post-attention ones 1 and 3 (scale 2 and 4)
+    assert st["input_layernorm"]["layers"] == 2 and st["all"]["n"] == 16
+    assert st["input_layernorm"]["mean_abs"] == pytest.approx(1.5 * (1 + 3) / 2)
+    assert st["post_attention_layernorm"]["max"] == pytest.approx(8.0)
+    assert st["post_attention_layernorm"]["min"] == pytest.approx(-8.0)
+    assert st["all"]["rms"] == pytest.approx(math.sqrt(2.5 * (1 + 4 + 9 + 16) / 4))
+    assert st["all"]["layer_rms_min"] == pytest.approx(math.sqrt(2.5))
+    assert st["all"]["layer_rms_max"] == pytest.approx(4 * math.sqrt(2.5))
+    with pytest.raises(ValueError, match="no AQN targets"):
+        norm_magnitudes(nn.Linear(3, 3))

@@ -168,3 +168,64 @@ def test_readme_polars_query_reads_the_files(reference_run, monkeypatch, capsys)
     monkeypatch.chdir(reference_run)
     exec(_readme_block("python", "import polars"), {})
     assert "reward" in capsys.readouterr().out
+
+
+def _touch_rollouts(root: Path) -> Path:
+    f = Layout(root).rollouts(0)
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_bytes(b"")
+    return root
+
+
+def test_default_root_is_the_workspace_that_has_rollouts(tmp_path, monkeypatch):
+    """In the repository root after `qerl run` (rollouts in runs/default, none at the root) audit
+    reads runs/default; a root holding rollouts (after `dvc repro`) wins; with none anywhere it
+    reads the DVC root, and the error names that folder and suggests --root."""
+    from qerl_lib.audit import default_root
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text("{}\n")
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    assert default_root() == "."  # nothing anywhere: the DVC workspace
+    _touch_rollouts(tmp_path / "runs" / "default")
+    assert default_root() == "runs/default"
+    _touch_rollouts(tmp_path)
+    assert default_root() == "."
+    (tmp_path / "params.yaml").unlink()
+    shutil.rmtree(tmp_path / "rollouts")
+    assert default_root() == "runs/default"  # not a DVC workspace, no rollouts here
+
+
+def test_cli_names_the_workspace_it_read(reference_run, tmp_path, monkeypatch, capsys):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "params.yaml").write_text("{}\n")
+    (repo / "dvc.yaml").write_text("stages: {}\n")
+    monkeypatch.chdir(repo)
+    assert main(["audit", "summary"]) == 2  # no runs/default yet, no rollouts at the root
+    err = capsys.readouterr().err
+    assert f"workspace {repo}" in err and "--root" in err and "runs/default" in err
+    run = repo / "runs" / "default"
+    for sub in ("rollouts", "rewards", "metrics"):
+        shutil.copytree(reference_run / sub, run / sub)
+    assert main(["audit", "summary"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"workspace: {run}"
+
+
+def test_text_output_is_rounded_and_exports_are_not(reference_run, capsys):
+    """Table and Markdown cells carry at most 4 significant digits; CSV and JSON the full value."""
+    from qerl_lib.tables import round_sig
+
+    assert [round_sig(v) for v in (0.515625, -0.59375, 1234.567, 7.0, 5e-4, 1.23456e-7, 0.0)] == [
+        "0.5156", "-0.5938", "1235", "7", "0.0005", "1.235e-07", "0"]
+    res = Audit(reference_run).summary()
+    table = res.render("table")
+    digits = [len(re.sub(r"[^0-9]", "", m).lstrip("0")) for m in re.findall(r"-?\d+\.\d+", table)]
+    assert digits and max(digits) <= 4
+    exact = [r["reward_std"] for r in res.as_dicts()]
+    assert any(len(repr(v)) > 8 for v in exact)  # the values really have more digits to drop
+    as_csv = list(csv.DictReader(io.StringIO(res.render("csv"))))
+    assert [float(r["reward_std"]) for r in as_csv] == exact
+    assert [r["reward_std"] for r in json.loads(res.render("json"))["rows"]] == exact
+    assert f"workspace `{Path(reference_run).resolve()}`" in res.render("markdown")

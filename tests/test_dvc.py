@@ -99,6 +99,21 @@ def test_project_params_yaml_is_up_to_date():
                                  "run `qerl plan` at the repository root and commit params.yaml")
 
 
+def test_project_params_yaml_holds_the_code_defaults(tmp_path):
+    """The committed params.yaml is the embedded default: `qerl plan` from no config at all gives
+    its bytes, so `dvc repro` of a fresh clone runs what `qerl run` runs. (`qerl plan --check`
+    above re-reads params.yaml's own values, so a value that differs from the code's default
+    passes it: vllm_lora_dual_stream did.)"""
+    from qerl_lib.cli import main
+
+    fresh = tmp_path / "params.yaml"
+    assert main(["plan", "--params", str(fresh)]) == 0
+    committed, default = (PROJECT_ROOT / "params.yaml").read_text(), fresh.read_text()
+    differ = [f"{a.strip()} (code: {b.strip()})" for a, b in zip(committed.splitlines(), default.splitlines()) if a != b]
+    assert committed == default, ("params.yaml differs from the code defaults: " + "; ".join(differ[:5])
+                                  + ". Run `qerl plan -c EMPTY.yaml` at the repository root")
+
+
 # ------------------------------------------------------------------------------ dvc.yaml agrees
 
 

@@ -145,10 +145,14 @@ def test_artifacts_show_metrics_report_and_progress(flow_done):
         by_key.setdefault(a.key, []).append(a)
     assert {"qerl-train-steps", "qerl-train-eval", "qerl-train-report", "qerl-train-progress"} <= set(by_key)
 
-    table = json.loads(max(by_key["qerl-train-steps"], key=lambda a: a.created).data)
-    assert [r["step"] for r in table] == [0, 1]
-    for key in ("reward_mean", "entropy", "kl", "sigma", "loss", "clip_frac"):
+    # One qerl-train-steps artifact per step: that step's row of the core columns, its details
+    # (loss, grad norm, ...) in the description; no step twice.
+    per_step = sorted(by_key["qerl-train-steps"], key=lambda a: a.created)
+    table = [json.loads(a.data)[0] for a in per_step]
+    assert [r["step"] for r in table] == [0, 1] and all(len(json.loads(a.data)) == 1 for a in per_step)
+    for key in ("reward_mean", "entropy", "kl", "sigma", "kept_frac", "truncated_frac"):
         assert key in table[0], key
+    assert "loss" not in table[0] and "loss" in per_step[0].description and len(table[0]) <= 10
     assert table[1]["sigma"] > 0 == table[0]["sigma"]  # AQN: stage 0 adds no noise
     evals = json.loads(by_key["qerl-train-eval"][0].data)
     assert [r["step"] for r in evals] == EVALS and "pass_at_1" in evals[0]
@@ -156,6 +160,7 @@ def test_artifacts_show_metrics_report_and_progress(flow_done):
     md = by_key["qerl-train-report"][0].data
     assert md.count("](data:image/png;base64,") == 2  # reward and entropy curves, embedded
     assert "| reward_mean |" in md and "| entropy |" in md and "## orchestration" in md
+    assert "## per step, details" in md and "| grad_norm |" in md
     assert re.search(r"`[▁▂▃▄▅▆▇█ ]+`", md)  # the text sparklines
 
     (progress,) = by_key["qerl-train-progress"]
@@ -383,3 +388,92 @@ def test_prefect_yaml_names_the_flows_and_their_parameters():
         params = set(inspect.signature(fl.fn).parameters)
         assert set(d.get("parameters") or {}) <= params, d["name"]
         assert d["work_pool"]["name"] == "qerl-gpu"
+
+
+# ------------------------------------------------------------------------------ config errors, params.yaml
+
+
+def _bare_workspace(dest: Path) -> Path:
+    """A directory `resolve_workspace` accepts (dvc.yaml, .dvc/) with the project's params.yaml."""
+    (dest / ".dvc" / "tmp").mkdir(parents=True)
+    shutil.copy(PROJECT_ROOT / "dvc.yaml", dest / "dvc.yaml")
+    shutil.copy(PROJECT_ROOT / "params.yaml", dest / "params.yaml")
+    return dest
+
+
+@pytest.mark.parametrize("script", ["train", "evaluate", "convert"])
+def test_flow_scripts_refuse_a_bad_config_before_prefect(script, tmp_path, monkeypatch, capsys):
+    """A mistyped key is one line naming the closest key, exit 2; no flow run starts and
+    params.yaml is untouched."""
+    import importlib
+
+    mod = importlib.import_module(f"flows.{script}")
+    flow_name = {"train": "train", "evaluate": "evaluate", "convert": "convert"}[script]
+    monkeypatch.setattr(mod, flow_name, lambda **kw: pytest.fail("the flow started"))
+    ws = _bare_workspace(tmp_path)
+    before = (ws / "params.yaml").read_bytes()
+    assert mod.main(["-w", str(ws), "-s", "run.stepz=3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"qerl-{script}: invalid config (defaults + overrides): unknown key 'run.stepz' "
+                   "(did you mean 'run.steps'?)")
+    assert (ws / "params.yaml").read_bytes() == before
+    assert mod.main(["-w", str(tmp_path / "nowhere")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_failed_flow_leaves_params_yaml_as_it_was(tmp_path):
+    """workspace_run writes params.yaml from the run's settings; when the run then fails (here: an
+    error in the flow body, as a failing stage raises) the previous params.yaml is back, byte for
+    byte. A run that finishes keeps the new one."""
+    import logging
+
+    from flows.common import workspace_run
+
+    ws = _bare_workspace(tmp_path)
+    before = (ws / "params.yaml").read_bytes()
+    log = logging.getLogger("test")
+    with pytest.raises(RuntimeError, match="stage failed"):
+        with workspace_run(str(ws), None, ["run.steps=3"], None, log) as (_, cfg):
+            assert cfg.run.steps == 3 and (ws / "params.yaml").read_bytes() != before
+            raise RuntimeError("stage failed")
+    assert (ws / "params.yaml").read_bytes() == before
+    with workspace_run(str(ws), None, ["run.steps=3"], None, log) as (_, cfg):
+        pass
+    assert (ws / "params.yaml").read_bytes() != before and "steps: 3" in (ws / "params.yaml").read_text()
+
+
+def test_step_artifact_is_one_step_core_columns_and_the_report_has_details(tmp_path):
+    from flows.common import STEP_CORE_COLUMNS, curves_markdown, step_artifact
+
+    from qerl_lib.config import load_config
+    from qerl_lib.io import atomic_write_json
+    from qerl_lib.paths import Layout
+
+    lay = Layout(tmp_path)
+    for i in range(2):
+        atomic_write_json(lay.update_metrics(i), {"step": i, "loss": 0.5 + i, "entropy": 1.0, "kl": 0.01, "sigma": 0.0,
+                                                  "grad_norm": 2.0, "lr": 3e-4, "tokens": 90, "seconds": 1.5})
+        atomic_write_json(lay.reward_metrics(i), {"reward_mean": 0.25 * i, "reward_std": 0.1, "correct_rate": 0.2,
+                                                  "format_rate": 0.9, "truncated_frac": 0.0, "kept_frac": 0.5})
+    rows, description = step_artifact(tmp_path, 2, 1)
+    assert rows == [{"step": 1, "reward_mean": 0.25, "correct_rate": 0.2, "format_rate": 0.9, "kept_frac": 0.5,
+                     "truncated_frac": 0.0, "entropy": 1.0, "kl": 0.01, "sigma": 0.0}]
+    assert set(rows[0]) <= set(STEP_CORE_COLUMNS)
+    assert "loss 1.5" in description and "grad_norm 2" in description and "step 1 of 2" in description
+    assert step_artifact(tmp_path, 2, 5) is None
+    md = curves_markdown(tmp_path, load_config(), "t")
+    core = md[md.index("## per step\n"):md.index("## per step, details")]
+    details = md[md.index("## per step, details"):]
+    assert "| loss |" not in core and "| loss |" in details.split("\n\n")[1]
+
+
+def test_the_flow_samples_on_one_rollout_server_it_starts_and_stops(flow_done):
+    """`rollout_server="start"` (the default): one `qerl serve` for the flow run, used by every
+    rollout and eval stage (their bytes equal `dvc repro`'s in-process ones: the test above), and
+    stopped at the end."""
+    repo, _ = flow_done
+    log = (repo / ".dvc/tmp/qerl-serve.log").read_text()
+    assert log.count("rollout server (transformers) ready at") >= 1, log[-2000:]
+    client = json.loads((repo / "rollout_client.json").read_text())
+    assert client["server"] in log and client["generate_calls"] >= 1
+    assert not (repo / "rollout_server.json").exists()

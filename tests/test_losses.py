@@ -22,6 +22,7 @@ import torch
 from qerl_lib.config import AlgoConfig
 from qerl_lib.losses import (
     LOSSES,
+    LossInputs,
     LossNorm,
     add_stats,
     gather_logprobs,
@@ -46,7 +47,9 @@ def example(tis_cap=None, beta=0.0, loss="dapo"):
 
 def run(name, logp, old, cfg, rollout=None, ref=None, mask=MASK, adv=ADV, norm=None, max_len=None):
     norm = norm or LossNorm.from_masks(mask, max_len=max_len)
-    return LOSSES[name](logp, old, old if rollout is None else rollout, adv, mask, ref, cfg, norm)
+    x = LossInputs(logp=logp, old_logp=old, advantages=adv, mask=mask, norm=norm,
+                   rollout_logp=old if rollout is None else rollout, ref_logp=ref)
+    return LOSSES[name](x, cfg)
 
 
 def test_registry():
@@ -131,7 +134,9 @@ def test_gradients_flow_only_through_logp():
     rollout = (old.detach() - 0.1).requires_grad_(True)
     ref = (logp.detach() + 0.2).requires_grad_(True)
     adv = ADV.clone().requires_grad_(True)
-    loss, _ = LOSSES["grpo"](logp, old, rollout, adv, MASK, ref, cfg, LossNorm.from_masks(MASK))
+    x = LossInputs(logp=logp, old_logp=old, advantages=adv, mask=MASK, norm=LossNorm.from_masks(MASK),
+                   rollout_logp=rollout, ref_logp=ref)
+    loss, _ = LOSSES["grpo"](x, cfg)
     loss.backward()
     assert logp.grad is not None
     for t in (old, rollout, ref, adv):
@@ -162,7 +167,8 @@ def test_micro_batches_sum_to_full_batch(name):
 
     full = base.clone().requires_grad_(True)
     norm = LossNorm.from_masks(mask, max_len=8)
-    loss_full, st_full = LOSSES[name](full, old, rollout, adv, mask, ref, cfg, norm)
+    x = LossInputs(logp=full, old_logp=old, advantages=adv, mask=mask, norm=norm, rollout_logp=rollout, ref_logp=ref)
+    loss_full, st_full = LOSSES[name](x, cfg)
     loss_full.backward()
 
     micro = base.clone().requires_grad_(True)
@@ -172,8 +178,9 @@ def test_micro_batches_sum_to_full_batch(name):
     assert norm_m == norm
     total, stats = 0.0, {}
     for a, b, w in parts:
-        loss, st = LOSSES[name](micro[a:b, :w], old[a:b, :w], rollout[a:b, :w], adv[a:b], mask[a:b, :w],
-                                ref[a:b, :w], cfg, norm_m)
+        x = LossInputs(logp=micro[a:b, :w], old_logp=old[a:b, :w], advantages=adv[a:b], mask=mask[a:b, :w],
+                       norm=norm_m, rollout_logp=rollout[a:b, :w], ref_logp=ref[a:b, :w])
+        loss, st = LOSSES[name](x, cfg)
         loss.backward()
         total += loss.item()
         add_stats(stats, st)
@@ -185,8 +192,19 @@ def test_micro_batches_sum_to_full_batch(name):
 
 def test_policy_loss_dispatch():
     logp, old, cfg = example(loss="dr_grpo")
-    loss, _ = policy_loss(cfg, logp, old, None, ADV, MASK, LossNorm.from_masks(MASK))
+    loss, _ = policy_loss(LossInputs(logp=logp, old_logp=old, advantages=ADV, mask=MASK, norm=LossNorm.from_masks(MASK)), cfg)
     assert loss.item() == pytest.approx(1.02 / 6)
+
+
+def test_loss_inputs_checks_shapes():
+    logp, old, _ = example()
+    norm = LossNorm.from_masks(MASK)
+    with pytest.raises(ValueError, match="ref_logp has shape"):
+        LossInputs(logp=logp, old_logp=old, advantages=ADV, mask=MASK, norm=norm, ref_logp=old[:, :2])
+    with pytest.raises(ValueError, match="advantages must be"):
+        LossInputs(logp=logp, old_logp=old, advantages=ADV[:1], mask=MASK, norm=norm)
+    with pytest.raises(TypeError):  # keyword-only: tensors cannot be swapped by position
+        LossInputs(logp, old, ADV, MASK, norm)
 
 
 def test_masked_mean():

@@ -97,3 +97,59 @@ def test_complete_run_and_bad_file(tmp_path):
     rows = read_csv(lay.report_steps)
     assert float(rows[1]["reward_mean"]) == pytest.approx(-9.0)  # only the update's copy is left
     assert not (lay.reports_dir / "eval.csv").read_text().strip().count("\n")
+
+
+def test_plots_draw_steps_points_with_errors_and_kept_fraction(tmp_path, monkeypatch):
+    """What each PNG is drawn from: sigma as steps with AQN stage 0 shaded, evaluations as points
+    with standard-error bars on an axis from 0, the reward band inside the scored rewards' range,
+    and the kept fraction / truncation rate (clip_frac, always 0 with one mini-batch, is gone)."""
+    import math
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from qerl_lib import report
+
+    lay = fake_run(tmp_path)
+    for i, stage in zip((0, 1, 3), (0, 1, 3)):  # update.json's aqn_stage, as the update stage writes it
+        obj = json.loads(lay.update_metrics(i).read_text())
+        atomic_write_json(lay.update_metrics(i), {**obj, "aqn_stage": stage})
+    # step 0's rewards: mean 0.2 +- std 0.3 would reach -0.1; the scored rewards span [0, 1.1].
+    lay.scored(0).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"reward": [0.0, 0.0, 0.1, 1.1]}), lay.scored(0))
+    # eval 4's samples: 3 prompts x (2 sampled + 1 greedy) rows.
+    pq.write_table(pa.table({"prompt_id": ["a", "a", "b", "b", "c", "c", "a", "b", "c"],
+                             "temperature": [0.6] * 6 + [0.0] * 3,
+                             "reward_correct": [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0]}),
+                   lay.eval_samples(4))
+    drawn = {}
+    real_plot = report._plot
+    monkeypatch.setattr(report, "_plot", lambda dest, *a, **kw: drawn.setdefault(dest.stem, (a, kw)) and real_plot(
+        dest, *a, **kw))
+    aggregate(lay, steps=4)
+    assert set(drawn) == set(PLOTS) and "kept" in PLOTS
+
+    (_, _, sigma), kw = drawn["sigma"]
+    assert sigma[0].style == "steps" and sigma[0].xs == [0, 1, 3] and kw["ymin"] == 0.0
+    assert kw["spans"] == ((0, 1, "stage 0: no noise"),)
+
+    (_, _, acc), kw = drawn["accuracy"]
+    p1, greedy = acc[0], acc[1]
+    assert (p1.style, greedy.style) == ("points", "points") and kw["ymin"] == 0.0
+    se0 = math.sqrt(0.2 * 0.8 / 64)  # eval 0 has no samples file: binomial over its 64 prompts
+    sampled = [0.5, 1.0, 0.0]  # eval 4: per-prompt accuracy of the sampled rows
+    se4 = math.sqrt(sum((v - 0.5) ** 2 for v in sampled) / 2 / 3)
+    assert p1.yerr == pytest.approx([se0, se4])
+    assert greedy.yerr[1] == pytest.approx(math.sqrt(sum((v - 2 / 3) ** 2 for v in (1, 1, 0)) / 2 / 3))
+    ev = read_csv(lay.reports_dir / "eval.csv")
+    assert float(ev[1]["pass_at_1_se"]) == pytest.approx(se4)
+    assert json.loads(lay.report_metrics.read_text())["eval"]["pass_at_1_last_se"] == pytest.approx(se4)
+
+    (_, _, _, (xs, lo, hi)), _ = drawn["reward"]
+    assert xs == [0, 1, 2, 3] and lo[0] == pytest.approx(0.0) and hi[0] == pytest.approx(0.5)
+    assert hi[1] == pytest.approx(0.6)  # no scored file at step 1: the band is mean +- std
+
+    (_, _, kept), _ = drawn["kept"]
+    assert [c[0].split(" ")[0] for c in kept] == ["kept", "truncation"]
+    labels = [c[0] if isinstance(c, tuple) else c.label for a, _ in drawn.values() for c in a[2]]
+    assert labels and not [lb for lb in labels if "clip" in lb]

@@ -189,3 +189,20 @@ def test_update_sleeps_a_colocated_server_only(converted, tmp_path, monkeypatch)
         monkeypatch.setattr(cl, "local_devices", lambda: ["GPU-elsewhere"])
         with cl.server_asleep(ws) as slept:
             assert not slept and not cl.RemoteEngine(url).is_sleeping()
+
+
+def test_a_non_finite_adapter_is_refused_as_bad_input_before_the_server_sees_it(converted, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    ws = copy_repo(converted, tmp_path / "ws")
+    path = ws / "adapters/step=0/adapter_model.safetensors"
+    state = load_file(str(path))
+    name = sorted(state)[0]
+    state[name][0] = float("nan")
+    save_file(state, str(path))
+    with serving(ws):
+        res = sh(["qerl", "stage", "rollout", "--step", "0", "-c", "params.yaml"], cwd=ws, check=False)
+    assert res.returncode == 2, res.stderr
+    assert "adapters/step=0/adapter_model.safetensors" in res.stderr and name in res.stderr and "NaN" in res.stderr
+    assert not (ws / "rollouts").exists()

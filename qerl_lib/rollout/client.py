@@ -159,7 +159,7 @@ class RemoteEngine:
 
     def set_policy(self, adapter_dir: str | Path | None, version: int) -> str | None:
         """Make the server hold adapter `version` from `adapter_dir` (None: the base alone)."""
-        from qerl_lib.lora import adapter_hash
+        from qerl_lib.hashing import adapter_hash
 
         loaded = [m["id"] for m in self.models() if m.get("parent") and str(m["id"]).startswith(LORA_PREFIX)]
         name = None
@@ -344,8 +344,13 @@ class RemotePolicy:
         self.noise: tuple[float, int, int] = (0.0, 0, 0)
 
     def load_adapter(self, adapter_dir: Path, version: int) -> None:
-        from qerl_lib.lora import adapter_hash
+        from qerl_lib.hashing import adapter_hash
+        from qerl_lib.paths import ADAPTER_WEIGHTS
+        from qerl_lib.tensor_files import read_safetensors
 
+        # A damaged or non-finite adapter is bad input (exit 2), refused here by name before the
+        # server's load fails on it as a server error.
+        read_safetensors(Path(adapter_dir) / ADAPTER_WEIGHTS)
         self.engine.set_policy(adapter_dir, version)
         self.version = version
         self.adapter_hash = adapter_hash(adapter_dir)

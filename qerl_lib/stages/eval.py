@@ -17,6 +17,19 @@ from qerl_lib.seeds import derive_seed, stable_id
 from qerl_lib.stages.common import file_metadata, provenance, sampler_for
 
 
+def standard_error(correct: np.ndarray, prompt_ids: list[str]) -> float:
+    """Standard error of a mean accuracy over prompts: the rows of a prompt (its k samples) are
+    averaged first, since they are not independent; then std (ddof 1) of the per-prompt means over
+    sqrt(prompts). correct: [rows] 0/1. 0.0 with fewer than two prompts."""
+    per: dict[str, list[float]] = {}
+    for c, pid in zip(correct.tolist(), prompt_ids):
+        per.setdefault(pid, []).append(c)
+    means = np.array([np.mean(v) for v in per.values()], dtype=np.float64)
+    if len(means) < 2:
+        return 0.0
+    return float(means.std(ddof=1) / np.sqrt(len(means)))
+
+
 def eval_stage(cfg: QerlConfig, layout: Layout, step: int, policy=None) -> dict:
     """pass@1 over k samples (eval.temperature, eval.top_p) and greedy accuracy of adapter `step`."""
     from qerl_lib.data import load_prepared
@@ -67,6 +80,7 @@ def eval_stage(cfg: QerlConfig, layout: Layout, step: int, policy=None) -> dict:
         key = "pass_at_1" if name == "sampled" else "greedy_acc"
         # pass@1 averaged over k samples = mean over prompts of (correct samples / k) = mean over all rows.
         result[key] = float(correct.mean()) if len(batch) else 0.0
+        result[f"{key}_se"] = standard_error(correct, [r["prompt_id"] for r in batch])
         result[f"{name}_format_rate"] = float(np.mean([r["reward_format"] > 0 for r in batch])) if batch else 0.0
         rows.extend(batch)
     path = layout.eval_samples(step)

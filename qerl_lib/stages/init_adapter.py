@@ -11,7 +11,7 @@ from qerl_lib.paths import TRAINER_STATE, Layout
 
 
 def init_adapter_stage(cfg: QerlConfig, layout: Layout) -> Path:
-    from qerl_lib.lora import apply_lora, save_adapter
+    from qerl_lib.lora import apply_lora, write_adapter_files
     from qerl_lib.model import load_base, resolve_device, resolve_dtype
 
     device = resolve_device(cfg.model.device)
@@ -20,6 +20,6 @@ def init_adapter_stage(cfg: QerlConfig, layout: Layout) -> Path:
     model = apply_lora(base, cfg.lora)
     out = layout.adapter(0)
     with atomic_dir(out) as tmp:
-        save_adapter(model, tmp)
+        write_adapter_files(model, tmp)
         atomic_write_json(tmp / TRAINER_STATE, {"step": 0, "optimizer_steps": 0})
     return out

@@ -53,10 +53,11 @@ def _update(cfg: QerlConfig, layout: Layout, step: int, policy, ctx) -> dict:
     import torch
 
     from qerl_lib.aqn import noised
-    from qerl_lib.lora import save_adapter
+    from qerl_lib.lora import write_adapter_files
     from qerl_lib.optim import build_optimizer, make_scheduler
     from qerl_lib.schema import read_rollouts
-    from qerl_lib.trainer import train_on_rollouts
+    from qerl_lib.progress import progress
+    from qerl_lib.trainer import train_on_rollouts, update_work
 
     t0 = time.perf_counter()
     rows = read_rollouts(layout.scored(step), scored=True).to_pylist()
@@ -71,11 +72,13 @@ def _update(cfg: QerlConfig, layout: Layout, step: int, policy, ctx) -> dict:
     params = [p for p in pol.model.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, cfg.optim, pol.device)
     if (src / OPTIMIZER_STATE).is_file():
-        optimizer.load_state_dict(torch.load(src / OPTIMIZER_STATE, map_location=pol.device, weights_only=True))
+        opt_state = load_optimizer_state(src / OPTIMIZER_STATE, pol.device)
+        try:
+            optimizer.load_state_dict(opt_state)
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise ValueError(f"{src / OPTIMIZER_STATE}: does not fit this adapter's parameters ({e})") from None
     total_opt = cfg.run.steps * cfg.algo.mini_batches
-    scheduler = make_scheduler(optimizer, total_opt, cfg.optim)
-    for _ in range(state["optimizer_steps"]):
-        scheduler.step()  # replay the schedule to where adapter `step` left it
+    scheduler = make_scheduler(optimizer, total_opt, cfg.optim, state["optimizer_steps"])  # where `step` left it
     t_setup = time.perf_counter() - t0
 
     kept = [r for r in rows if r["kept"]]
@@ -84,8 +87,11 @@ def _update(cfg: QerlConfig, layout: Layout, step: int, policy, ctx) -> dict:
     torch.manual_seed(derive_seed(cfg.run.seed, "update", step))
     if kept:
         # The update sees the very noise its rollout sampled with (sigma and seed from the rows).
-        with noised(pol.injector, float(sigma), int(aqn_seed), step):
-            metrics = train_on_rollouts(pol, optimizer, scheduler, kept, cfg, ctx)
+        world = 1 if ctx is None else ctx.world_size
+        show = ctx is None or ctx.is_main  # one rank speaks for the group
+        with noised(pol.injector, float(sigma), int(aqn_seed), step), \
+                progress(f"update@{step}", update_work(len(kept), cfg, world) if show else 0, "micro-batches") as done:
+            metrics = train_on_rollouts(pol, optimizer, scheduler, kept, cfg, ctx, progress=done)
     else:
         # Every group had equal rewards: nothing to learn; adapter step+1 = adapter step. Entropy and KL
         # are NaN, not 0: no policy token was scored, and a 0 would read as "the policy is the base".
@@ -97,7 +103,7 @@ def _update(cfg: QerlConfig, layout: Layout, step: int, policy, ctx) -> dict:
         return metrics  # every rank holds the same adapter; rank 0 writes it
     out = layout.adapter(step + 1)
     with atomic_dir(out) as tmp:
-        save_adapter(pol.model, tmp)
+        write_adapter_files(pol.model, tmp)
         torch.save(optimizer.state_dict(), tmp / OPTIMIZER_STATE)
         atomic_write_json(tmp / TRAINER_STATE, {"step": step + 1, "optimizer_steps": opt_steps})
     metrics.update({
@@ -110,6 +116,26 @@ def _update(cfg: QerlConfig, layout: Layout, step: int, policy, ctx) -> dict:
     })
     atomic_write_json(layout.update_metrics(step), metrics)
     return metrics
+
+
+def load_optimizer_state(path, device) -> dict:
+    """The optimizer state saved beside an adapter, read with `weights_only=True` (a pickle
+    payload that would run code is refused by torch); a damaged or foreign file is refused by
+    name (ValueError) instead of a traceback."""
+    import pickle
+    import zipfile
+
+    import torch
+
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{path}: not a readable optimizer state ({first[:200]}); delete the adapter "
+                         "directory and re-run the update that wrote it") from None
+    if not isinstance(state, dict) or "state" not in state or "param_groups" not in state:
+        raise ValueError(f"{path}: not an optimizer state (no 'state' / 'param_groups')")
+    return state
 
 
 def _aqn_stage(step: int, cfg: QerlConfig) -> int:

