@@ -231,10 +231,13 @@ class NoiseInjector:
     optimizer step after it).
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, track_trainable: bool = True):
         self.targets = aqn_norms(model)
         if not self.targets:
             raise ValueError("no AQN targets (input_layernorm / post_attention_layernorm) in this model")
+        self.track_trainable = track_trainable
+        """Re-snapshot trainable norms on `apply` (the trainer); off where the clean weights are set
+        explicitly (an engine's `NormNoise`)."""
         self._clean = {key: mod.weight.detach().clone() for key, mod in self.targets}
         self.state: tuple[float, int, int] | None = None
         """(sigma, seed, step) of the noise in place; None when the weights are clean."""
@@ -257,7 +260,7 @@ class NoiseInjector:
         if self.state is not None:
             self.reset()
         for key, mod in self.targets:
-            if mod.weight.requires_grad:
+            if self.track_trainable and mod.weight.requires_grad:
                 self._clean[key].copy_(mod.weight)  # trainable: the clean weight is whatever the optimizer left
         write_noise(self.targets, self._clean, sigma, seed, step, mode)
         self.state = (float(sigma), int(seed), int(step))

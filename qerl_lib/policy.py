@@ -74,12 +74,14 @@ class Policy:
         self.adapter_dir = Path(adapter_dir)
         self.noise = (0.0, 0, 0)
 
-    def set_noise(self, sigma: float, seed: int, step: int) -> None:
-        """Make the RMSNorm weights clean + noise(seed, step); sigma 0 restores them."""
+    def set_noise(self, sigma: float, seed: int, step: int, mode: str = "absolute") -> None:
+        """Make the RMSNorm weights clean + noise(seed, step) (`aqn.sigma_mode` `mode`); sigma 0
+        restores them."""
         self.injector.reset()
         if sigma > 0:
-            self.injector.apply(sigma, seed, step)
+            self.injector.apply(sigma, seed, step, mode)
         self.noise = (float(sigma), int(seed), int(step))
+        self.noise_mode = mode
 
     @property
     def eos_ids(self) -> set[int]:
@@ -131,7 +133,7 @@ class Policy:
     def _generate_vllm(self, prompts, seeds, params, progress=None):
         engine = self.rollout_engine()
         engine.set_policy(self.adapter_dir, self.version if self.version is not None else 0)
-        engine.set_noise(*self.noise)
+        engine.set_noise(*self.noise, mode=getattr(self, "noise_mode", "absolute"))
         comps = engine.generate(prompts, seeds, params, stop_token_ids=self.eos_ids)
         if os.environ.get("QERL_VLLM_SLEEP", "1") != "0":
             engine.sleep()

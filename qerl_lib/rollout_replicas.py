@@ -113,8 +113,8 @@ class ReplicaPool:
     def set_policy(self, adapter_dir, version: int) -> None:
         self._broadcast("set_policy", adapter_dir, version)
 
-    def set_noise(self, sigma: float, seed: int, step: int, force: bool = False) -> None:
-        self._broadcast("set_noise", sigma, seed, step, force)
+    def set_noise(self, sigma: float, seed: int, step: int, force: bool = False, mode: str = "absolute") -> None:
+        self._broadcast("set_noise", sigma, seed, step, force, mode)
 
     def sleep(self, level: int = 1) -> None:
         self._broadcast("sleep", level)

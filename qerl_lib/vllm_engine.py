@@ -274,7 +274,7 @@ class VLLMEngine:
         self.stats.startup_seconds = round(time.perf_counter() - t0, 3)
         self.asleep = False
         self._scale = 1.0
-        self._noise: tuple[float, int, int] = (0.0, 0, 0)
+        self._noise: tuple = (0.0, 0, 0, "absolute")
         self._norms_path: str | None = None
         self.slots = AdapterSlots(self.llm.llm_engine.add_lora, self.llm.llm_engine.remove_lora,
                                   self.llm.llm_engine.list_loras, _make_lora_request)
@@ -312,7 +312,7 @@ class VLLMEngine:
         if norms != self._norms_path or (changed and norms is not None):
             self.rpc("qerl_set_norm_overrides", norms)
             self._norms_path = norms
-            self._noise = (0.0, 0, 0)
+            self._noise = (0.0, 0, 0, "absolute")
             changed = True
         if changed:
             self.set_noise(0.0, 0, 0, force=True)
@@ -324,9 +324,10 @@ class VLLMEngine:
     def lora_request(self):
         return self.slots.request
 
-    def set_noise(self, sigma: float, seed: int, step: int, force: bool = False) -> dict | None:
-        """AQN of (seed, step) at `sigma` in vLLM's norms (sigma 0: the clean weights)."""
-        state = (float(sigma), int(seed), int(step)) if sigma > 0 else (0.0, 0, 0)
+    def set_noise(self, sigma: float, seed: int, step: int, force: bool = False, mode: str = "absolute") -> dict | None:
+        """AQN of (seed, step) at `sigma` in vLLM's norms (sigma 0: the clean weights); `mode`:
+        `aqn.sigma_mode`."""
+        state = (float(sigma), int(seed), int(step), mode) if sigma > 0 else (0.0, 0, 0, "absolute")
         if state == self._noise and not force:
             return None
         self.wake_up()

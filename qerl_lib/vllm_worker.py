@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from qerl_lib.aqn import aqn_norms, norm_key, write_noise
+from qerl_lib.aqn import NoiseInjector, norm_key
 
 DENSE_ABOVE_ENV = "QERL_VLLM_DENSE_ABOVE"
 """Environment variable read in the worker at load: rows above which NVFP4 linears run dense."""
@@ -53,27 +53,25 @@ PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 # ============================================================================ AQN targets
 
 
-class NormNoise:
-    """Clean copies of a model's AQN targets and the in-place writer of clean + noise.
-
-    The trainer's own arithmetic (`qerl_lib.aqn.write_noise`: float32 sum, one cast to the
-    weight's dtype, `copy_` into the existing storage), on any model whose modules are named
-    `...layers.<i>.input_layernorm` / `post_attention_layernorm` (HF, PEFT or vLLM), so the
-    noised weights are bit-identical to the trainer's for the same clean weights.
-    `base` holds the checkpoint's norms; `clean` is `base` overridden by trained norms that
-    came with the adapter (`set_overrides`).
+class NormNoise(NoiseInjector):
+    """The trainer's `NoiseInjector` on an engine's model, plus trained norms that come with an
+    adapter: the same targets (by module *name*, so vLLM's own `RMSNorm` classes are found), the
+    same arithmetic (`qerl_lib.aqn.write_noise`: float32 sum, one cast to the weight's dtype, `copy_`
+    into the existing storage, so CUDA graphs see it), hence the trainer's bits for the same clean
+    weights. `base` holds the checkpoint's norms; the clean weights (`_clean`) are `base`
+    overridden by the adapter's trained norms (`set_overrides`).
     """
 
     def __init__(self, model: torch.nn.Module):
+        super().__init__(model, track_trainable=False)
         self.model = model
-        self.targets = aqn_norms(model)
-        if not self.targets:
-            raise ValueError("no AQN targets (input_layernorm / post_attention_layernorm) in the model")
-        self.base = {k: m.weight.detach().clone() for k, m in self.targets}
-        self.clean = {k: v.clone() for k, v in self.base.items()}
+        self.base = {k: v.clone() for k, v in self._clean.items()}
         self._others: dict[str, tuple[torch.nn.Module, torch.Tensor]] = {}
         """Other norms overridden by an adapter (e.g. the final `model.norm`): module and checkpoint weight."""
-        self.state: tuple[float, int, int] = (0.0, 0, 0)
+
+    @property
+    def clean(self) -> dict[str, torch.Tensor]:
+        return self._clean
 
     @torch.no_grad()
     def set_overrides(self, tensors: dict[str, torch.Tensor] | None) -> int:
@@ -83,7 +81,8 @@ class NormNoise:
         Writes the clean weights (noise off) and returns how many tensors were applied; a later
         call without a tensor restores the checkpoint's weight.
         """
-        self.clean = {k: v.clone() for k, v in self.base.items()}
+        self.state = None
+        self._clean = {k: v.clone() for k, v in self.base.items()}
         for module, base in self._others.values():
             module.weight.copy_(base)
         modules = None
@@ -91,8 +90,8 @@ class NormNoise:
         for name, value in (tensors or {}).items():
             mod_name = name.removesuffix(".weight")
             key = norm_key(mod_name)
-            if key in self.clean:
-                self.clean[key].copy_(value.to(self.clean[key].dtype))
+            if key in self._clean:
+                self._clean[key].copy_(value.to(self._clean[key].dtype))
                 n += 1
                 continue
             if modules is None:
@@ -107,20 +106,10 @@ class NormNoise:
         self.apply(0.0, 0, 0)
         return n
 
-    @torch.no_grad()
-    def apply(self, sigma: float, seed: int, step: int) -> None:
-        write_noise(self.targets, self.clean, sigma, seed, step)
-        self.state = (float(sigma), int(seed), int(step))
-
-    def fingerprint(self) -> str:
-        from qerl_lib.aqn import _fingerprint
-
-        return _fingerprint(self.targets)
-
     def describe(self) -> dict[str, Any]:
         classes = sorted({f"{type(m).__module__}.{type(m).__name__}" for _, m in self.targets})
-        return {"targets": len(self.targets), "classes": classes, "state": list(self.state),
-                "dtype": str(self.targets[0][1].weight.dtype), "fingerprint": self.fingerprint()}
+        return {"targets": len(self.targets), "classes": classes, "state": list(self.state or (0.0, 0, 0)),
+                "mode": self.mode, "dtype": str(self.targets[0][1].weight.dtype), "fingerprint": self.fingerprint()}
 
 
 def dequantize_partitions(
@@ -442,10 +431,11 @@ class AQNWorkerExtension:
             }
         return info
 
-    def qerl_set_noise(self, sigma: float, seed: int, step: int) -> dict:
-        """Norm weights <- clean + noise(seed, step) in place (sigma 0: clean); returns `describe()`."""
+    def qerl_set_noise(self, sigma: float, seed: int, step: int, mode: str = "absolute") -> dict:
+        """Norm weights <- clean + noise(seed, step) in place (sigma 0: clean; `mode`:
+        `aqn.sigma_mode`); returns `describe()`."""
         noise = self._qerl_norms()
-        noise.apply(float(sigma), int(seed), int(step))
+        noise.apply(float(sigma), int(seed), int(step), str(mode))
         torch.cuda.synchronize()
         return noise.describe()
 

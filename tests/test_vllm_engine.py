@@ -346,7 +346,7 @@ def test_engine_pushes_adapter_noise_and_scale_before_generating(fake_engine, tm
     engine.set_policy(a0, 0)
     assert llm.llm_engine.list_loras() == {1}
     engine.set_noise(0.02, 5, 0)
-    assert llm.rpcs[-1] == ("qerl_set_noise", (0.02, 5, 0))
+    assert llm.rpcs[-1] == ("qerl_set_noise", (0.02, 5, 0, "absolute"))
     n = len(llm.rpcs)
     assert engine.set_noise(0.02, 5, 0) is None and len(llm.rpcs) == n  # unchanged: no rpc
     comps = engine.generate([[1, 2], [3]], [10, 11], SamplingParams(0.5, 0.9, 4), stop_token_ids=[2])
@@ -359,7 +359,7 @@ def test_engine_pushes_adapter_noise_and_scale_before_generating(fake_engine, tm
     resets = llm.resets
     engine.set_policy(a1, 1)
     assert llm.llm_engine.list_loras() == {2} and llm.resets > resets
-    assert llm.rpcs[-1] == ("qerl_set_noise", (0.0, 0, 0))  # a new adapter starts without noise
+    assert llm.rpcs[-1] == ("qerl_set_noise", (0.0, 0, 0, "absolute"))  # a new adapter starts without noise
     engine.sleep()
     assert llm.sleeping
     engine.generate([[1]], [1], SamplingParams(0.0, 1.0, 2))  # wakes up by itself
@@ -407,7 +407,7 @@ def test_policy_with_vllm_backend_rolls_out_through_the_engine(tiny_llama_dir, t
         def set_policy(self, adapter_dir, version):
             self.calls.append(("policy", Path(adapter_dir).name, version))
 
-        def set_noise(self, sigma, seed, step):
+        def set_noise(self, sigma, seed, step, mode="absolute"):
             self.calls.append(("noise", sigma, seed, step))
 
         def generate(self, prompts, seeds, params, stop_token_ids=()):

@@ -183,9 +183,10 @@ class RemoteEngine:
         self.adapter = name
         return name
 
-    def set_noise(self, sigma: float, seed: int, step: int) -> dict:
-        """AQN of (seed, step) at `sigma` in the server's norms (sigma 0: the clean weights)."""
-        state = (float(sigma), int(seed), int(step)) if sigma > 0 else (0.0, 0, 0)
+    def set_noise(self, sigma: float, seed: int, step: int, mode: str = "absolute") -> dict:
+        """AQN of (seed, step) at `sigma` in the server's norms (sigma 0: the clean weights);
+        `mode`: `aqn.sigma_mode`."""
+        state = (float(sigma), int(seed), int(step), mode) if sigma > 0 else (0.0, 0, 0, "absolute")
         out = self.rpc("qerl_set_noise", *state)
         self._request("POST", "/reset_prefix_cache")
         return out
@@ -358,8 +359,8 @@ class RemotePolicy:
         self.noise = (0.0, 0, 0)
         self.engine.set_noise(0.0, 0, 0)
 
-    def set_noise(self, sigma: float, seed: int, step: int) -> None:
-        self.engine.set_noise(sigma, seed, step)
+    def set_noise(self, sigma: float, seed: int, step: int, mode: str = "absolute") -> None:
+        self.engine.set_noise(sigma, seed, step, mode)
         self.noise = (float(sigma), int(seed), int(step))
 
     def generate(self, prompts, seeds, params, batch_size: int, progress=None):

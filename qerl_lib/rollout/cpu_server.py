@@ -106,8 +106,8 @@ class CPUEngine:
         if method == "qerl_info":
             return {**self.info, "sleeps": self.sleeps}
         if method == "qerl_set_noise":
-            sigma, seed, step = args
-            self.policy.set_noise(float(sigma), int(seed), int(step))
+            sigma, seed, step, *mode = args
+            self.policy.set_noise(float(sigma), int(seed), int(step), *(mode or ["absolute"]))
             return {"state": [float(sigma), int(seed), int(step)], "fingerprint": self.policy.injector.fingerprint()}
         if method == "qerl_norm_info":
             return {"state": list(self.policy.noise), "fingerprint": self.policy.injector.fingerprint()}

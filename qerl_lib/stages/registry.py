@@ -124,7 +124,7 @@ STAGES: tuple[Stage, ...] = (
         done=lambda lay, q, s: [lay.update_metrics(s)],
         params=("run.seed", "run.steps", "model.compute_dtype", "model.device", "model.quant", "lora",
                 "rollout.max_new_tokens", "algo.beta", "algo.eps_high", "algo.eps_low", "algo.kl_metric",
-                "algo.loss", "algo.mini_batches", "algo.tis_cap", "optim", "aqn.seed", "aqn.stages",
+                "algo.loss", "algo.mini_batches", "algo.tis_cap", "optim", "aqn.seed", "aqn.sigma_mode", "aqn.stages",
                 "parallel.train_world_size"),
         gpu=True, uses_policy=True, function="qerl_lib.stages.update:update_stage",
         seconds_file=lambda lay, q, s: [lay.update_metrics(s)],

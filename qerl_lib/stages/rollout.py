@@ -55,7 +55,7 @@ def rollout_stage(cfg: QerlConfig, layout: Layout, step: int, policy=None) -> Pa
     pol = sampler_for(cfg, layout, policy)
     pol.load_adapter(adapter_dir, step)
     sigma = sigma_at(step, cfg.run.steps, cfg.aqn)
-    pol.set_noise(sigma, cfg.aqn.seed, step)
+    pol.set_noise(sigma, cfg.aqn.seed, step, cfg.aqn.sigma_mode)
     t_load = time.perf_counter() - t0
 
     rc = cfg.rollout

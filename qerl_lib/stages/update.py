@@ -89,7 +89,7 @@ def _update(cfg: QerlConfig, layout: Layout, step: int, policy, ctx) -> dict:
         # The update sees the very noise its rollout sampled with (sigma and seed from the rows).
         world = 1 if ctx is None else ctx.world_size
         show = ctx is None or ctx.is_main  # one rank speaks for the group
-        with noised(pol.injector, float(sigma), int(aqn_seed), step), \
+        with noised(pol.injector, float(sigma), int(aqn_seed), step, cfg.aqn.sigma_mode), \
                 progress(f"update@{step}", update_work(len(kept), cfg, world) if show else 0, "micro-batches") as done:
             metrics = train_on_rollouts(pol, optimizer, scheduler, kept, cfg, ctx, progress=done)
     else:
