@@ -9,7 +9,7 @@ group), never through a 16-bit copy; embeddings and lm_head are bf16, as llm-com
 them. The BF16 engine uses vLLM's own random initialisation (`load_format="dummy"`), so no
 16 GB file is written at all.
 
-Rollout settings are the project's (`qerl_lib.vllm_engine.VLLMEngine.generate`): per-request
+Rollout settings are the project's (`qerl_lib.rollout.vllm_engine.VLLMEngine.generate`): per-request
 seeds, temperature 1, top-p 1, the sampled token's logprob returned, token-id prompts, no
 tokenizer; plus fixed lengths: prompt 256 random tokens, completion exactly `--decode` tokens
 (no EOS exists without a tokenizer, and lengths are checked), prefix caching off, fresh
@@ -23,7 +23,7 @@ sizes = the batch sizes):
   nvfp4-rR    NVFP4 as vLLM ships it (Marlin W4A16 for every batch)
   nf4-rR      bitsandbytes NF4 (QLoRA's format): vLLM quantizes a random BF16 checkpoint, written
               once per work directory (15 GB for the 7B shape), as it loads it
-  nvfp4h-rR   the project's regime (`qerl_lib.vllm_worker`): Marlin + LoRA kernels up to
+  nvfp4h-rR   the project's regime (`qerl_lib.rollout.vllm_worker`): Marlin + LoRA kernels up to
               `--dense-above` sequences per step; above, one dense BF16 GEMM per linear with
               the adapter merged in (no LoRA kernels)
   ...-ds      suffix: vLLM's LoRA kernels on a second CUDA stream (VLLM_LORA_ENABLE_DUAL_STREAM)
@@ -273,8 +273,8 @@ def parse_spec(spec: str) -> tuple[str, int, bool]:
 def run_engine(args) -> None:
     import torch
 
-    from qerl_lib.sampling import SamplingParams
-    from qerl_lib.vllm_engine import VLLMEngine
+    from qerl_lib.rollout.sampling import SamplingParams
+    from qerl_lib.rollout.vllm_engine import VLLMEngine
 
     fmt, rank, dual = parse_spec(args.child)
     work = Path(args.work)

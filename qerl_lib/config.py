@@ -131,7 +131,7 @@ class RolloutConfig(_Section):
     vllm_max_lora_rank: int = Field(16, ge=1)
     """vLLM's `max_lora_rank`; must be one of 8, 16, 32, 64, 128, ... and >= lora.r."""
     vllm_dense_above: int | Literal["auto", "off"] = "auto"
-    """NVFP4 engine regime (`qerl_lib.vllm_worker`): sequences per decode step above which the
+    """NVFP4 engine regime (`qerl_lib.rollout.vllm_worker`): sequences per decode step above which the
     linears run as one dense BF16 GEMM with the adapter merged in (Marlin + LoRA kernels at or
     below). Costs 2 bytes per quantized weight of GPU memory. `auto`: 48 (the Marlin-vs-cuBLAS
     crossover measured on the H200) when the dense copies take at most a quarter of the
@@ -200,8 +200,11 @@ class OptimConfig(_Section):
     """Floor of the cosine schedule as a share of lr."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (<= 0 disables)."""
-    micro_batch_size: int = Field(8, ge=1)
-    """Sequences per forward/backward; gradients accumulate across micro-batches."""
+    micro_batch_size: int = Field(2, ge=1)
+    """Sequences per forward/backward; gradients accumulate across micro-batches (same gradient up to
+    float summation order). Default 2: the float32 activations of a CPU micro-batch dominate the
+    update's memory (SmolLM2-135M, 32 rows of ~164 positions, one update stage alone: peak RSS 6.9 GB
+    at 8, 3.4 GB at 4, 2.1 GB at 2, for 72 s -> 91 s of update on one idle core)."""
     eight_bit: bool = True
     """Use bitsandbytes' 8-bit AdamW when bitsandbytes is importable on CUDA."""
     gradient_checkpointing: bool = False
@@ -277,7 +280,7 @@ class ParallelConfig(_Section):
     one GPU. The model's attention heads must divide by it (and its KV heads divide it or by it).
     Above 1 the NVFP4 engine runs Marlin at every batch (no dense copies)."""
     rollout_replicas: int = Field(1, ge=1)
-    """Data-parallel rollout engines (`qerl_lib.rollout_replicas`), each in its own process on
+    """Data-parallel rollout engines (`qerl_lib.rollout.replicas`), each in its own process on
     its own `rollout_tensor_parallel` GPUs, each sampling a contiguous share of every batch of
     rows; rows carry their own seeds, so the split does not choose their random streams."""
     train_world_size: int = Field(1, ge=1)

@@ -7,8 +7,8 @@ stage run alone (`qerl stage ...`, `dvc repro`) builds its own.
 Rollout backends (`rollout.backend`):
 
 - `transformers` (default): `generate` samples from the in-process PEFT model
-  (`qerl_lib.sampling.sample_batch`).
-- `vllm`: `generate` goes to a `qerl_lib.vllm_engine.VLLMEngine` that holds the same
+  (`qerl_lib.rollout.sampling.sample_batch`).
+- `vllm`: `generate` goes to a `qerl_lib.rollout.vllm_engine.VLLMEngine` that holds the same
   checkpoint. The engine is started on the first `generate` (an update-only process never
   starts one) and is kept per process (`_ENGINES`), so every later step and evaluation of
   `qerl run` pays only the adapter swap and the AQN write. Before each `generate` the
@@ -16,7 +16,7 @@ Rollout backends (`rollout.backend`):
   `set_noise`); after it, the engine sleeps (weights to CPU, KV cache dropped) so the
   trainer has the GPU, unless `QERL_VLLM_SLEEP=0`. The trainer's model stays the
   transformers one. Start-up and hand-over timings go to `<run.root>/vllm_engine.json`.
-  NVFP4 engines run the regime of `rollout.vllm_dense_above` (`qerl_lib.vllm_worker`): by
+  NVFP4 engines run the regime of `rollout.vllm_dense_above` (`qerl_lib.rollout.vllm_worker`): by
   default, dense copies with the adapter merged in above 48 sequences per step when those
   copies take at most a quarter of the engine's memory.
 """
@@ -104,7 +104,7 @@ class Policy:
         """
         if self.backend == "vllm":
             return self._generate_vllm(prompts, seeds, params, progress)
-        from qerl_lib.sampling import sample_batch
+        from qerl_lib.rollout.sampling import sample_batch
 
         from qerl_lib.nvfp4_linear import dense_inference_cache
 
@@ -147,7 +147,7 @@ _CACHE: dict[tuple, Policy] = {}
 _ENGINES: dict[tuple, object] = {}
 DEFAULT_DENSE_ABOVE = 48
 """Rows (sequences in a decode step) above which an NVFP4 engine runs its linears on dense
-copies, when memory allows (`qerl_lib.vllm_engine.auto_dense_above`): the Marlin-vs-cuBLAS
+copies, when memory allows (`qerl_lib.rollout.vllm_engine.auto_dense_above`): the Marlin-vs-cuBLAS
 crossover measured on the H200 for the 7B shape (Marlin faster up to 48 rows, slower from 64;
 `benchmarks/results/rollout_throughput.json`, `gemm_profile`)."""
 
@@ -161,7 +161,7 @@ def _engine_key(cfg: QerlConfig, checkpoint: Path) -> tuple:
 
 def dense_above_for(cfg: QerlConfig, checkpoint: Path) -> int | None:
     """`rollout.vllm_dense_above` resolved for `checkpoint`: rows, or None (Marlin at every batch)."""
-    from qerl_lib.vllm_engine import auto_dense_above
+    from qerl_lib.rollout.vllm_engine import auto_dense_above
 
     rc = cfg.rollout
     if rc.vllm_dense_above == "off" or cfg.parallel.rollout_tensor_parallel > 1:
@@ -174,7 +174,7 @@ def dense_above_for(cfg: QerlConfig, checkpoint: Path) -> int | None:
 
 def get_engine(cfg: QerlConfig, checkpoint: Path):
     """The `VLLMEngine` of this process for `checkpoint` and the rollout config (one at a time)."""
-    from qerl_lib.vllm_engine import VLLMEngine
+    from qerl_lib.rollout.vllm_engine import VLLMEngine
 
     key = _engine_key(cfg, checkpoint)
     if key not in _ENGINES:
@@ -194,7 +194,7 @@ def get_engine(cfg: QerlConfig, checkpoint: Path):
                       dense_above=dense_above_for(cfg, checkpoint), lora_dual_stream=rc.vllm_lora_dual_stream,
                       tensor_parallel_size=tp)
         if reps > 1:
-            from qerl_lib.rollout_replicas import ReplicaPool, vllm_replica
+            from qerl_lib.rollout.replicas import ReplicaPool, vllm_replica
 
             _ENGINES[key] = ReplicaPool(reps, vllm_replica, (str(checkpoint), kwargs), gpu_groups=groups)
         else:

@@ -96,7 +96,7 @@ def test_vllm_engine_gets_tensor_parallel_and_no_dense_copies(tiny_qwen2_dir, tm
     """`parallel.rollout_tensor_parallel` reaches vLLM as `tensor_parallel_size`, turns the dense
     regime off, sets NVLink multicast off, and is refused with a reason when the GPUs are too few."""
     import qerl_lib.policy as policy_mod
-    import qerl_lib.vllm_engine as engine_mod
+    import qerl_lib.rollout.vllm_engine as engine_mod
 
     seen = {}
 
@@ -143,11 +143,11 @@ class EchoEngine:
     def set_policy(self, adapter_dir, version):
         self.version = version
 
-    def set_noise(self, sigma, seed, step, force=False):
+    def set_noise(self, sigma, seed, step, force=False, mode="absolute"):
         self.noise = (sigma, seed, step)
 
     def generate(self, prompts, seeds, params, stop_token_ids=()):
-        from qerl_lib.sampling import Completion
+        from qerl_lib.rollout.sampling import Completion
 
         if any(s < 0 for s in seeds):
             raise ValueError("negative seed")
@@ -165,15 +165,15 @@ class EchoEngine:
 
 
 def test_share_bounds_cover_the_rows_in_order():
-    from qerl_lib.rollout_replicas import share_bounds
+    from qerl_lib.rollout.replicas import share_bounds
 
     assert share_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
     assert share_bounds(2, 3) == [(0, 1), (1, 2), (2, 2)]
 
 
 def test_replica_pool_broadcasts_state_and_keeps_row_order():
-    from qerl_lib.rollout_replicas import ReplicaPool
-    from qerl_lib.sampling import SamplingParams
+    from qerl_lib.rollout.replicas import ReplicaPool
+    from qerl_lib.rollout.sampling import SamplingParams
 
     pool = ReplicaPool(2, EchoEngine, ("echo",), gpu_groups=[[3], [5]])
     try:
@@ -194,7 +194,7 @@ def test_replica_pool_broadcasts_state_and_keeps_row_order():
 
 
 def test_replica_pool_reports_an_engine_that_fails_to_start():
-    from qerl_lib.rollout_replicas import ReplicaPool
+    from qerl_lib.rollout.replicas import ReplicaPool
 
     with pytest.raises(RuntimeError, match="replica 0 \\(start\\)"):
         ReplicaPool(1, EchoEngine, ())  # missing argument: the factory raises in the replica

@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_vllm_engine import build_small_dense, make_adapter
 
-from qerl_lib.sampling import SamplingParams
+from qerl_lib.rollout.sampling import SamplingParams
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 pytestmark = [pytest.mark.gpu,

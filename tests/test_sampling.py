@@ -1,11 +1,11 @@
-"""Inverse-CDF nucleus sampling (`qerl_lib.sampling`): the right distribution, the nucleus
+"""Inverse-CDF nucleus sampling (`qerl_lib.rollout.sampling`): the right distribution, the nucleus
 only, and rows that do not depend on their batch."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from qerl_lib.sampling import SamplingParams, inverse_cdf_sample, sample_batch
+from qerl_lib.rollout.sampling import SamplingParams, inverse_cdf_sample, sample_batch
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:

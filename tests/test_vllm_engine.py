@@ -1,4 +1,4 @@
-"""The vLLM rollout backend (`qerl_lib.vllm_engine`, `Policy` with `rollout.backend=vllm`).
+"""The vLLM rollout backend (`qerl_lib.rollout.vllm_engine`, `Policy` with `rollout.backend=vllm`).
 
 CPU tests (default) cover the pure parts without vLLM installed: sampling translation,
 completion conversion, adapter bookkeeping, the norm-noise writer against the trainer's
@@ -18,9 +18,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qerl_lib.sampling import Completion, SamplingParams
+from qerl_lib.rollout.sampling import Completion, SamplingParams
 from qerl_lib.nvfp4_checkpoint import write_nvfp4_checkpoint
-from qerl_lib.vllm_engine import (
+from qerl_lib.rollout.vllm_engine import (
     AdapterSlots,
     VLLMEngine,
     auto_dense_above,
@@ -29,7 +29,7 @@ from qerl_lib.vllm_engine import (
     to_completion,
     vllm_sampling_kwargs,
 )
-from qerl_lib.vllm_worker import NormNoise, adapter_deltas, dequantize_partitions, merge_partitions
+from qerl_lib.rollout.vllm_worker import NormNoise, adapter_deltas, dequantize_partitions, merge_partitions
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -325,7 +325,7 @@ class FakeLLM:
 
 @pytest.fixture
 def fake_engine(monkeypatch, tmp_path):
-    import qerl_lib.vllm_engine as ve
+    import qerl_lib.rollout.vllm_engine as ve
 
     monkeypatch.setattr(ve, "_make_lora_request", _req)
     llm = FakeLLM()

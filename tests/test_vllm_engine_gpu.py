@@ -13,8 +13,8 @@ import torch
 from test_vllm_engine import build_small_dense, make_adapter
 
 from qerl_lib.nvfp4_checkpoint import write_nvfp4_checkpoint
-from qerl_lib.sampling import SamplingParams
-from qerl_lib.vllm_engine import VLLMEngine
+from qerl_lib.rollout.sampling import SamplingParams
+from qerl_lib.rollout.vllm_engine import VLLMEngine
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -100,7 +100,7 @@ def test_greedy_tokens_equal_the_transformers_backend(engine, hf_model, small_nv
     """batch 1 decodes on Marlin, batch 16 on the dense copies; both must be the NVFP4 model's
     greedy tokens: every token is the float32 transformers argmax, except at near-ties
     (top-2 logprob gap under 0.15, where bf16 rounding may pick either)."""
-    from qerl_lib.sampling import sample_batch
+    from qerl_lib.rollout.sampling import sample_batch
 
     _, adapters = small_nvfp4
     engine.set_policy(adapters[0], 0)

@@ -4,7 +4,7 @@ project's CPU server (`qerl_lib.rollout.cpu_server`), through the same HTTP call
 Per `generate` call:
 1. `/collective_rpc qerl_set_logit_scale(1/T)`: the temperature is folded into the logits, and
    requests ask for temperature 1, so the recorded logprob is log softmax(logits / T) before
-   top-p (the project's convention; `qerl_lib.vllm_engine` explains why).
+   top-p (the project's convention; `qerl_lib.rollout.vllm_engine` explains why).
 2. One `/v1/completions` request per row, all in flight together (the engine schedules them),
    each with its token-id prompt, its own `seed`, `logprobs: 0`, `return_token_ids`, the stop
    token ids, and `vllm_xargs` naming the call, the row's index and the transformers backend's
@@ -40,7 +40,7 @@ from qerl_lib.rollout.service import (
     find_server,
     local_devices,
 )
-from qerl_lib.sampling import Completion, SamplingParams, logit_scale
+from qerl_lib.rollout.sampling import Completion, SamplingParams, logit_scale
 
 log = logging.getLogger(__name__)
 

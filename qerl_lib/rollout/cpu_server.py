@@ -36,7 +36,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from qerl_lib.sampling import SamplingParams
+from qerl_lib.rollout.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class CPUEngine:
 
     def _sample(self, call: _Call, rows: list[tuple[list[int], int]]) -> list:
         from qerl_lib.nvfp4_linear import dense_inference_cache
-        from qerl_lib.sampling import sample_batch
+        from qerl_lib.rollout.sampling import sample_batch
 
         pol = self.policy
         if call.model != BASE_NAME and call.model != self.active:

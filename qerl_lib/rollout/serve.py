@@ -58,8 +58,8 @@ def vllm_command(cfg, checkpoint: Path, host: str, port: int) -> tuple[list[str]
     """argv and extra environment of stock `vllm serve` for this config (module doc)."""
     from qerl_lib.env import child_env
     from qerl_lib.policy import dense_above_for
-    from qerl_lib.vllm_engine import EXTENSION, LOGPROBS_MODE
-    from qerl_lib.vllm_worker import DENSE_ABOVE_ENV
+    from qerl_lib.rollout.vllm_engine import EXTENSION, LOGPROBS_MODE
+    from qerl_lib.rollout.vllm_worker import DENSE_ABOVE_ENV
 
     rc = cfg.rollout
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),

@@ -34,7 +34,7 @@ def eval_stage(cfg: QerlConfig, layout: Layout, step: int, policy=None) -> dict:
     """pass@1 over k samples (eval.temperature, eval.top_p) and greedy accuracy of adapter `step`."""
     from qerl_lib.data import load_prepared
     from qerl_lib.rewards import format_prompt
-    from qerl_lib.sampling import SamplingParams
+    from qerl_lib.rollout.sampling import SamplingParams
     from qerl_lib.schema import to_table, write_provenance, write_rollouts
     from qerl_lib.scoring import score_rows
 

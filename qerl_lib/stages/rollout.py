@@ -42,7 +42,7 @@ def rollout_stage(cfg: QerlConfig, layout: Layout, step: int, policy=None) -> Pa
     from qerl_lib.aqn import sigma_at
     from qerl_lib.data import load_prepared
     from qerl_lib.rewards import format_prompt
-    from qerl_lib.sampling import SamplingParams
+    from qerl_lib.rollout.sampling import SamplingParams
     from qerl_lib.schema import to_table, write_provenance, write_rollouts
 
     t0 = time.perf_counter()

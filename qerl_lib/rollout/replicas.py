@@ -22,7 +22,7 @@ import os
 import traceback
 from typing import Any, Callable, Iterable
 
-from qerl_lib.sampling import Completion, SamplingParams
+from qerl_lib.rollout.sampling import Completion, SamplingParams
 
 
 def share_bounds(n_rows: int, replicas: int) -> list[tuple[int, int]]:
@@ -38,7 +38,7 @@ def share_bounds(n_rows: int, replicas: int) -> list[tuple[int, int]]:
 
 def vllm_replica(checkpoint: str, kwargs: dict):
     """Factory of one replica's engine (runs inside the replica process)."""
-    from qerl_lib.vllm_engine import VLLMEngine
+    from qerl_lib.rollout.vllm_engine import VLLMEngine
 
     return VLLMEngine(checkpoint, **kwargs)
 

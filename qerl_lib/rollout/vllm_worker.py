@@ -1,9 +1,9 @@
 """The worker side of the vLLM backend: code that runs inside vLLM's GPU worker process.
 
 vLLM imports this module in every worker to resolve `worker_extension_cls`
-(`qerl_lib.vllm_worker.AQNWorkerExtension`) before the model loads; the import installs the
+(`qerl_lib.rollout.vllm_worker.AQNWorkerExtension`) before the model loads; the import installs the
 NVFP4 regime patches (`install_patches`), inert unless `QERL_VLLM_DENSE_ABOVE` is set. The
-driver side (`qerl_lib.vllm_engine.VLLMEngine`) calls the extension's `qerl_*` methods through
+driver side (`qerl_lib.rollout.vllm_engine.VLLMEngine`) calls the extension's `qerl_*` methods through
 `LLM.collective_rpc`. Nothing here imports vLLM at module level, so the pure parts
 (`NormNoise`, `dequantize_partitions`, `merge_partitions`) are tested on the CPU.
 

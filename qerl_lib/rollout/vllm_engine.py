@@ -4,7 +4,7 @@ the transformers backend (`Policy.load_adapter / set_noise / generate`).
 vLLM is a GPU-only, optional dependency (`pip install -e ".[gpu]"`, or the carried wheel set
 of `scripts/device_vllm.sh` on the lent H200). This module imports it lazily: the pure parts
 (sampling translation, adapter bookkeeping) import and are tested without it; the code that runs
-inside vLLM's worker lives in `qerl_lib.vllm_worker`.
+inside vLLM's worker lives in `qerl_lib.rollout.vllm_worker`.
 
 What the engine does, and why:
 
@@ -20,7 +20,7 @@ What the engine does, and why:
   (`norms.safetensors` beside the adapter, `lora.train_norms`) are written into vLLM's norms
   by the worker extension, since a PEFT LoRA cannot carry them.
 
-- **AQN that really reaches vLLM.** The worker extension (`qerl_lib.vllm_worker`, mixed into
+- **AQN that really reaches vLLM.** The worker extension (`qerl_lib.rollout.vllm_worker`, mixed into
   vLLM's GPU worker through `worker_extension_cls`) writes clean + noise(seed, step) in place
   into vLLM's own `RMSNorm` weights with the trainer's arithmetic, so the bits equal the
   trainer's; each call starts from the clean copy and sigma 0 restores it exactly. The prefix
@@ -28,7 +28,7 @@ What the engine does, and why:
   old weights).
 
 - **Sampling logprobs = log softmax(logits / T) of the sampled token, before top-p** (the
-  project's convention, `qerl_lib.sampling`). vLLM 0.26 offers `logprobs_mode`
+  project's convention, `qerl_lib.rollout.sampling`). vLLM 0.26 offers `logprobs_mode`
   `raw_logprobs` (log_softmax of the logits before temperature, penalties and top-p/top-k)
   and `processed_logprobs` (after temperature *and* after the top-k/top-p mask, i.e.
   renormalised over the nucleus: `v1/worker/gpu/sample/sampler.py` and
@@ -47,7 +47,7 @@ What the engine does, and why:
   CPU memory and drops the KV cache so training can use the GPU; `wake_up()` restores them.
 
 - **Regimes of an NVFP4 engine** (`dense_above`, `lora_dual_stream`; the reasons and the memory
-  cost are in `qerl_lib.vllm_worker`). `dense_above=None`: Marlin at every batch, as vLLM
+  cost are in `qerl_lib.rollout.vllm_worker`). `dense_above=None`: Marlin at every batch, as vLLM
   ships it. `dense_above=M*`: Marlin + vLLM's LoRA kernels up to M* sequences per decode step,
   and above that one dense BF16 GEMM per linear with the current adapter merged in
   (`set_policy` re-merges it on every adapter change), which needs no LoRA kernel.
@@ -69,12 +69,12 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from qerl_lib.sampling import Completion, SamplingParams, logit_scale  # noqa: F401  (re-exported)
-from qerl_lib.vllm_worker import DENSE_ABOVE_ENV
+from qerl_lib.rollout.sampling import Completion, SamplingParams, logit_scale  # noqa: F401  (re-exported)
+from qerl_lib.rollout.vllm_worker import DENSE_ABOVE_ENV
 
 log = logging.getLogger(__name__)
 
-EXTENSION = "qerl_lib.vllm_worker.AQNWorkerExtension"
+EXTENSION = "qerl_lib.rollout.vllm_worker.AQNWorkerExtension"
 """Qualified name passed to `vllm.LLM(worker_extension_cls=...)`."""
 LOGPROBS_MODE = "raw_logprobs"
 """vLLM logprobs mode used with the temperature folded into the logits scale (module doc)."""
@@ -109,7 +109,7 @@ def vllm_sampling_kwargs(params: SamplingParams, seed: int, stop_token_ids: Iter
 
 
 def to_completion(output) -> Completion:
-    """A `qerl_lib.sampling.Completion` from one vLLM `RequestOutput` (n = 1).
+    """A `qerl_lib.rollout.sampling.Completion` from one vLLM `RequestOutput` (n = 1).
 
     `finish_reason` "stop" (a stop token, kept as the last token) or "length"; anything else
     (an aborted request) is an error. Logprobs are the sampled tokens' own (one per token).
