@@ -14,6 +14,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from qerl_lib.paths import Layout
+
 SPARK = "▁▂▃▄▅▆▇█"
 
 STEP_CORE_COLUMNS = ("step", "reward_mean", "correct_rate", "format_rate", "kept_frac", "truncated_frac",
@@ -100,7 +102,7 @@ def curves_markdown(ws: Path, cfg, title: str, plots: tuple[str, ...] = ("reward
     the per-step and per-eval tables."""
     steps = cfg.run.steps
     rows, evals = step_rows(ws, steps), eval_rows(ws, steps)
-    summary_path = ws / "reports" / "metrics.json"
+    summary_path = Layout(ws).report_metrics
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     prog = summary.get("progress", {})
     md = [f"# {title}", ""]
@@ -129,7 +131,7 @@ def curves_markdown(ws: Path, cfg, title: str, plots: tuple[str, ...] = ("reward
                   f"| `{sparkline(ys)}` |")
     md.append("")
     for name in plots:
-        uri = png_data_uri(ws / "reports" / "plots" / f"{name}.png")
+        uri = png_data_uri(Layout(ws).plot(name))
         if uri:
             md += [f"## {name}", "", f"![{name} curve]({uri})", ""]
     for heading, wanted in (("per step", STEP_CORE_COLUMNS), ("per step, details", STEP_DETAIL_COLUMNS)):

@@ -38,6 +38,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from flows import common
+from qerl_lib.paths import Layout
 from flows.rollout_server import rollout_service
 from tasks.stage import RETRIES
 
@@ -111,7 +112,7 @@ def train(
         overhead["flow_setup_s"] = round(setup_s, 3)  # qerl plan + dvc stage list, once per flow run
         overhead["flow_s"] = round(common.now() - t_flow, 3)
         log.info("orchestration: %s", json.dumps(overhead))
-        summary_path = ws / "reports" / "metrics.json"
+        summary_path = Layout(ws).report_metrics
         return {
             "workspace": str(ws),
             "flow_run_id": str(flow_run.id),

@@ -126,9 +126,9 @@ class Audit:
         if not self.root.is_dir():
             raise AuditError(f"workspace not found: {self.where} (pass the run's folder with --root)")
         self.con = duckdb.connect()
-        self.rollout_files = _files(self.root / "rollouts", self.layout.rollouts(0).name)
-        self.scored_files = _files(self.root / "rewards", self.layout.scored(0).name)
-        self.eval_files = _files(self.root / "eval", self.layout.eval_samples(0).name)
+        self.rollout_files = _files(self.layout.rollouts_root, self.layout.rollouts(0).name)
+        self.scored_files = _files(self.layout.rewards_root, self.layout.scored(0).name)
+        self.eval_files = _files(self.layout.eval_root, self.layout.eval_samples(0).name)
         self._views()
 
     # ----------------------------------------------------------------- views
@@ -160,7 +160,7 @@ class Audit:
         import pyarrow as pa
 
         rows = []
-        for step, path in _files(self.root / "metrics", self.layout.update_metrics(0).name):
+        for step, path in _files(self.layout.metrics_root, self.layout.update_metrics(0).name):
             try:
                 obj = json.loads(path.read_text())  # NaN (a skipped update's entropy) is valid here
             except (OSError, json.JSONDecodeError):

@@ -114,10 +114,12 @@ class Policy:
             else contextlib.nullcontext()
         with cache:
             for start in range(0, len(prompts), batch_size):
+                chunk = prompts[start:start + batch_size]
                 out.extend(
                     sample_batch(
-                        self.model, prompts[start:start + batch_size], seeds[start:start + batch_size], params,
-                        self.eos_ids, self.tokenizer.pad_token_id,
+                        self.model, chunk, seeds[start:start + batch_size], params,
+                        self.eos_ids, self.tokenizer.pad_token_id, on_step=_in_flight(progress, len(out), len(chunk),
+                                                                                    params.max_new_tokens),
                     )
                 )
                 if progress is not None:
@@ -141,6 +143,18 @@ class Policy:
             progress(len(comps))
         _write_engine_stats(self.layout, engine)
         return comps
+
+
+def _in_flight(progress, before: int, rows: int, cap: int):
+    """`sample_batch`'s per-decode-step callback for a progress counter: finished rows count whole,
+    rows still decoding count by their share of the token cap (so the count moves within a batch)."""
+    if progress is None:
+        return None
+
+    def on_step(tokens: int, finished: int) -> None:
+        progress(before + finished, inflight=(rows - finished) * tokens / max(cap, 1))
+
+    return on_step
 
 
 _CACHE: dict[tuple, Policy] = {}

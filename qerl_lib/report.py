@@ -410,5 +410,5 @@ def aggregate(layout: Layout, steps: int) -> dict:
     atomic_write_text(layout.reports_dir / "eval.csv", to_csv(evals, EVAL_COLUMNS))
     summary = summarize(train, evals, steps)
     atomic_write_json(layout.report_metrics, summary)
-    write_plots(layout.reports_dir / "plots", train, evals, layout)
+    write_plots(layout.plots_dir, train, evals, layout)
     return summary
