@@ -175,8 +175,12 @@ def test_synthetic_train_test_disjoint(tmp_path):
 
 
 def test_synthetic_bad_levels_and_too_small_space(tmp_path):
-    with pytest.raises(DataError, match="unknown level"):
-        prepare(DataConfig(synthetic_levels=[9]), seed=0, out_dir=tmp_path)
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="synthetic_levels"):  # the config refuses it first
+        DataConfig(synthetic_levels=[9])
+    with pytest.raises(DataError, match="unknown level"):  # and prepare on its own, past the config
+        prepare(DataConfig().model_copy(update={"synthetic_levels": [9]}), seed=0, out_dir=tmp_path)
     with pytest.raises(DataError, match="100 distinct"):
         prepare(DataConfig(synthetic_levels=[1], synthetic_test=100), seed=0, out_dir=tmp_path)
     assert _no_parquet(tmp_path)
