@@ -55,7 +55,7 @@ def sweep_dead_temporaries(dest: str | Path) -> list[Path]:
     removed, live = [], False
     for tmp in dest.parent.glob(f".{_glob_escape(dest.name)}.*.tmp"):
         pid = tmp.name[len(dest.name) + 2:].split("-", 1)[0]
-        if pid.isdigit() and _alive(int(pid)):
+        if pid.isdigit() and pid_alive(int(pid)):
             live = True
             continue
         _remove(tmp)
@@ -73,7 +73,7 @@ def _glob_escape(name: str) -> str:
     return glob.escape(name)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

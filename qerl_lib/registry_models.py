@@ -33,6 +33,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from qerl_lib.hashing import file_sha256
+
 CHUNK = 8 << 20  # bytes read per step while joining: bounded memory, few syscalls
 
 
@@ -143,15 +145,6 @@ def join_parts(parts: list[Path], dest: Path) -> tuple[int, str]:
         out.flush()
         os.fsync(out.fileno())
     return total, h.hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    """Hex sha256 of a file, read CHUNK bytes at a time."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def packaged_gguf_path(name: str, verify: bool = False) -> Path:

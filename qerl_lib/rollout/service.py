@@ -24,6 +24,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from qerl_lib.io import pid_alive
+
 log = logging.getLogger(__name__)
 
 ENV = "QERL_ROLLOUT_SERVER"
@@ -57,16 +59,6 @@ def address_file(root: str | Path) -> Path:
     return Layout(root).rollout_server_file
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def find_server(root: str | Path) -> ServerAddress | None:
     """The rollout server a stage of workspace `root` should use, or None (module doc)."""
     env = os.environ.get(ENV, "").strip()
@@ -83,7 +75,7 @@ def find_server(root: str | Path) -> ServerAddress | None:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ServerMismatch(f"{path}: not a rollout server address file ({e}); delete it or run `qerl serve` again")
     pid, host = info.get("pid"), info.get("host")
-    if host == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid):
+    if host == socket.gethostname() and isinstance(pid, int) and not pid_alive(pid):
         log.warning("ignoring %s: the server it names (pid %d) is gone; sampling in this process", path, pid)
         return None
     return ServerAddress(url, str(path))
