@@ -16,7 +16,6 @@ import json
 import os
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Callable, Iterator
 
 import yaml

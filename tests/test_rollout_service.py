@@ -192,7 +192,6 @@ def test_update_sleeps_a_colocated_server_only(converted, tmp_path, monkeypatch)
 
 
 def test_a_non_finite_adapter_is_refused_as_bad_input_before_the_server_sees_it(converted, tmp_path):
-    import torch
     from safetensors.torch import load_file, save_file
 
     ws = copy_repo(converted, tmp_path / "ws")
