@@ -35,6 +35,11 @@ class DataConfig(_Section):
     """Row layout of the source: `gsm8k` (question / answer ending in `#### N`), `math`
     (problem / solution / answer), `arith` (the synthetic set); `auto` infers it from the
     columns."""
+    prompt: Literal["auto", "worked_example", "stepwise", "math"] = "auto"
+    """How each problem is put to the model (`qerl_lib.rewards.PROMPT_STYLES`): `auto` picks per
+    row: `math` for math-graded rows, `worked_example` (one worked one-line exchange, then the
+    `#### N` instruction) for the synthetic arithmetic set, `stepwise` (reason step by step, then
+    `#### N`; no example) for other numeric word problems such as GSM8K."""
     hub_config: str | None = "main"
     """Config name passed to `datasets.load_dataset` for hub sources (GSM8K uses `main`)."""
     test_source: str | None = None
@@ -128,6 +133,14 @@ class RolloutConfig(_Section):
     """Share of GPU memory the vLLM engine may take (the trainer needs the rest)."""
     vllm_enforce_eager: bool = False
     """Disable CUDA graphs in vLLM (slower decode, faster start)."""
+    vllm_kv_cache_gib: float | None = Field(None, gt=0)
+    """KV-cache size of the vLLM engine in GiB (vLLM's `kv_cache_memory_bytes`); null: vLLM sizes it
+    from `vllm_gpu_memory_utilization` by profiling. Set it when several runs share one GPU: the
+    profiling of an engine that starts while another allocates can count the neighbour's memory as
+    its own and start with no room for the cache."""
+    vllm_max_model_len: int | None = Field(None, ge=1)
+    """vLLM's `max_model_len` (prompt + completion tokens of one sequence); null: the model's context.
+    A smaller value lets a small `vllm_kv_cache_gib` hold at least one full-length sequence."""
     vllm_max_lora_rank: int = Field(16, ge=1)
     """vLLM's `max_lora_rank`; must be one of 8, 16, 32, 64, 128, ... and >= lora.r."""
     vllm_dense_above: int | Literal["auto", "off"] = "auto"
@@ -140,6 +153,12 @@ class RolloutConfig(_Section):
     """Run vLLM's LoRA kernels on a second CUDA stream beside the base GEMM
     (`VLLM_LORA_ENABLE_DUAL_STREAM`): at small batch their cost is launch latency, which the
     overlap hides (H200, 7B shape, r16, batch 1: NVFP4 192.6 -> 208.5 tok/s, BF16 156.3 -> 185.7)."""
+    vllm_gemv_rows: int = Field(0, ge=0, le=64)
+    """NVFP4 engine: sequences per decode step up to which the linears run the project's decode GEMM
+    (`qerl_lib.kernels.nvfp4_gemv`: codes read once, the LoRA fused into the same launch) instead of
+    Marlin + vLLM's LoRA kernels. 0 (the default) keeps vLLM's path: not measured end to end on the GPU
+    yet (`benchmarks/nvfp4_gemv.py` measures the crossover). Costs a GPU copy of the packed weights
+    (+0.5625 bytes per quantized weight)."""
 
 
 class RewardConfig(_Section):
@@ -242,6 +261,10 @@ class AQNConfig(_Section):
 class EvalConfig(_Section):
     every: int = Field(0, ge=0)
     """Evaluate every this-many steps (0: only before and after training)."""
+    base: bool = True
+    """Also evaluate adapter 0, the base before training. Off for the extra seeds of an experiment
+    whose base another run of the same model and quantization measured: it saves the evaluation
+    that costs most (the untrained model writes the longest answers)."""
     k: int = Field(1, ge=1)
     """Samples per test prompt for pass@1 (averaged over k). The default 1 spends the evaluation's
     rows on more prompts instead (64 prompts x (1 sampled + 1 greedy) = 128 rows, against 32 x 5 = 160
@@ -325,7 +348,7 @@ def expected_plan(cfg: "QerlConfig") -> PlanConfig:
     steps = cfg.run.steps
     return PlanConfig(
         steps=[PlanStep(step=i, prev=i - 1 if i else None, next=i + 1) for i in range(steps)],
-        evals=eval_steps(steps, cfg.eval.every),
+        evals=eval_steps(steps, cfg.eval.every, cfg.eval.base),
     )
 
 

@@ -169,8 +169,14 @@ crossover measured on the H200 for the 7B shape (Marlin faster up to 48 rows, sl
 def _engine_key(cfg: QerlConfig, checkpoint: Path) -> tuple:
     rc = cfg.rollout
     return (str(Path(checkpoint).resolve()), rc.vllm_max_lora_rank, rc.vllm_gpu_memory_utilization,
-            rc.vllm_enforce_eager, cfg.run.seed, rc.vllm_dense_above, rc.vllm_lora_dual_stream,
+            rc.vllm_enforce_eager, cfg.run.seed, rc.vllm_dense_above, rc.vllm_lora_dual_stream, rc.vllm_gemv_rows,
+            rc.vllm_kv_cache_gib, rc.vllm_max_model_len,
             cfg.parallel.rollout_tensor_parallel, cfg.parallel.rollout_replicas)
+
+
+def vllm_memory_kwargs(rc) -> dict:
+    """`vllm.LLM` arguments of `rollout.vllm_kv_cache_gib` (none when unset)."""
+    return {} if rc.vllm_kv_cache_gib is None else {"kv_cache_memory_bytes": int(rc.vllm_kv_cache_gib * 2**30)}
 
 
 def dense_above_for(cfg: QerlConfig, checkpoint: Path) -> int | None:
@@ -206,7 +212,9 @@ def get_engine(cfg: QerlConfig, checkpoint: Path):
         kwargs = dict(max_lora_rank=rc.vllm_max_lora_rank, gpu_memory_utilization=rc.vllm_gpu_memory_utilization,
                       enforce_eager=rc.vllm_enforce_eager, seed=cfg.run.seed,
                       dense_above=dense_above_for(cfg, checkpoint), lora_dual_stream=rc.vllm_lora_dual_stream,
-                      tensor_parallel_size=tp)
+                      gemv_rows=rc.vllm_gemv_rows or None,
+                      tensor_parallel_size=tp, max_model_len=rc.vllm_max_model_len,
+                      engine_kwargs=vllm_memory_kwargs(rc))
         if reps > 1:
             from qerl_lib.rollout.replicas import ReplicaPool, vllm_replica
 

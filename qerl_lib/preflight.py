@@ -78,20 +78,24 @@ def check_prompt_lengths(cfg: QerlConfig, layout: Layout, split: str, max_new_to
         return  # the stage itself says what is missing
     stat = path.stat()
     key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, max_new_tokens, str(checkpoint.resolve()),
-           cfg.model.chat_template, max_rows)
+           cfg.model.chat_template, max_rows, cfg.data.prompt, cfg.rollout.backend, cfg.rollout.vllm_max_model_len)
     if key in _CHECKED:
         return
-    limit = context_length(checkpoint)
+    limit, limit_name = context_length(checkpoint), "max_position_embeddings"
+    cap = cfg.rollout.vllm_max_model_len if cfg.rollout.backend == "vllm" else None
+    if cap is not None and (limit is None or cap < limit):
+        limit, limit_name = cap, "rollout.vllm_max_model_len"
     if limit is None:
         return
     from qerl_lib.model import load_tokenizer
-    from qerl_lib.rewards import format_prompt
+    from qerl_lib.rewards import format_prompt, row_style
 
     tok = load_tokenizer(checkpoint)
     rows = load_prepared(path)[:max_rows]
     too_long = []
     for i, row in enumerate(rows):
-        text = format_prompt(tok, row["question"], row["grader"], cfg.model.chat_template)
+        text = format_prompt(tok, row["question"], row["grader"], cfg.model.chat_template,
+                             style=row_style(cfg.data.prompt, row["grader"], row.get("level") is not None))
         # A token spans at least one byte of text (byte-level BPE, SentencePiece with byte
         # fallback; 8 spare for a tokenizer's added prefix): a prompt short in bytes fits without
         # being tokenized, so a large data set costs only its few long prompts.
@@ -104,7 +108,7 @@ def check_prompt_lengths(cfg: QerlConfig, layout: Layout, split: str, max_new_to
         first, longest = too_long[0], max(too_long, key=lambda t: t[1])
         raise ConfigError(
             f"{path}: {len(too_long)} of {len(rows)} prompt(s) do not fit the model's context: prompt tokens + "
-            f"{field} ({max_new_tokens}) > max_position_embeddings ({limit}); first: row {first[0]} "
+            f"{field} ({max_new_tokens}) > {limit_name} ({limit}); first: row {first[0]} "
             f"({first[1]} tokens), longest: row {longest[0]} ({longest[1]} tokens). Shorten or drop them in the "
             f"source (data.source) or lower {field}"
         )

@@ -81,9 +81,24 @@ MATH_STYLE = PromptStyle(
 )
 """Prompt of MATH-style tasks: the same shape as `NUMERIC_STYLE`, with a `\\boxed{}` answer."""
 
+STEPWISE_STYLE = PromptStyle(
+    instruction="{question}\nSolve it step by step, then give the final answer on the last line in the form "
+                "#### <number>.",
+)
+"""Prompt of word problems (GSM8K and other non-synthetic numeric sets): the question and a
+step-by-step instruction, no worked example.
+
+Chosen with benchmarks/qwen_base_gsm8k.py on Qwen2.5-Coder-0.5B-Instruct: with
+`NUMERIC_STYLE`'s one-line worked exchange the model copies its shape and answers
+`#### N` without any working (0 of 20 test problems right,
+benchmarks/results/qwen05_base_gsm8k_cpu.json); asked to reason step by step it does, and
+answers in `#### N` or `\\boxed{}` (the grader takes both)."""
+
 NUMERIC_INSTRUCTION = NUMERIC_STYLE.instruction
 MATH_INSTRUCTION = MATH_STYLE.instruction
 _STYLES = {"gsm8k": NUMERIC_STYLE, "math": MATH_STYLE}
+PROMPT_STYLES = {"worked_example": NUMERIC_STYLE, "stepwise": STEPWISE_STYLE, "math": MATH_STYLE}
+"""The prompt styles `data.prompt` names."""
 
 
 def resolve_grader(layout_or_grader: str) -> Grader:
@@ -109,6 +124,22 @@ def effective_grader(config_grader: str, row_grader: str) -> Grader:
 def prompt_style(grader: str) -> PromptStyle:
     """The default prompt style of a grader (or layout)."""
     return _STYLES[resolve_grader(grader)]
+
+
+def row_style(prompt: str, grader: str, synthetic: bool) -> PromptStyle:
+    """The prompt style of one prepared row under `data.prompt`.
+
+    `auto`: `MATH_STYLE` for math-graded rows; `NUMERIC_STYLE` (one worked one-line
+    exchange) for the synthetic arithmetic set (`synthetic`: the row has a `level`), where
+    the answer is one sum; `STEPWISE_STYLE` for other numeric word problems (GSM8K),
+    where a one-line example makes instruct models skip the reasoning. Any other value
+    names a style of `PROMPT_STYLES` for every row.
+    """
+    if prompt != "auto":
+        return PROMPT_STYLES[prompt]
+    if resolve_grader(grader) == "math":
+        return MATH_STYLE
+    return NUMERIC_STYLE if synthetic else STEPWISE_STYLE
 
 
 def _fill(template: str, question: str) -> str:

@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 import yaml
 
 from qerl_lib.config import QerlConfig, config_to_dict, save_config
+from qerl_lib.env import release_memory
 from qerl_lib.paths import Layout
 from qerl_lib.stages import registry
 
@@ -34,13 +35,13 @@ class ConfigMismatch(RuntimeError):
 
 
 def eval_steps(cfg: QerlConfig) -> list[int]:
-    """Adapters to evaluate: 0 (the base), every `eval.every` steps, and the last."""
-    return registry.eval_steps(cfg.run.steps, cfg.eval.every)
+    """Adapters to evaluate: 0 (the base, with `eval.base`), every `eval.every` steps, and the last."""
+    return registry.eval_steps(cfg.run.steps, cfg.eval.every, cfg.eval.base)
 
 
 def plan(cfg: QerlConfig, layout: Layout) -> list[registry.Call]:
     """Every stage call of the run, in order (`qerl_lib.stages.registry.plan`)."""
-    return registry.plan(cfg.run.steps, cfg.eval.every, cfg.model.quant, layout)
+    return registry.plan(cfg.run.steps, cfg.eval.every, cfg.model.quant, layout, cfg.eval.base)
 
 
 def run_call(call: registry.Call, cfg: QerlConfig, layout: Layout, reuse_policy: bool = False):
@@ -117,6 +118,7 @@ def run_all(cfg: QerlConfig, on_event: Callable[[str, registry.Call, dict], None
                 on_event("start", call, {})
             t0 = time.perf_counter()
             result = run_call(call, cfg, layout, reuse_policy=True)
+            release_memory()  # the stage's freed tensors back to the OS before the next one starts
             rec = {"stage": call.name, "step": call.step, "seconds": round(time.perf_counter() - t0, 3)}
             records.append(rec)
             layout.stage_times.parent.mkdir(parents=True, exist_ok=True)

@@ -39,7 +39,8 @@ cmd=${1:-help}
 shift || true
 OUT=${OUT:-/tmp/qerl-out}
 EXP=/tmp/qerl-exp
-QWEN_PIECE_MAX=${QWEN_PIECE_MAX:-58000000}  # bytes per Qwen piece: 6 MB of the 64 MiB carry left for the tree
+QWEN_PIECE_MAX=${QWEN_PIECE_MAX:-59500000}  # bytes per Qwen piece: 5.6 MB of the 64 MiB carry left for the tree
+QWEN_FIRST=${QWEN_FIRST:-16000000}  # bytes of Qwen piece p0, carried beside vLLM's piece b (44.7 MB)
 PIECE_BYTES=(58000000 36000000)  # GGUF bytes in pieces a and b (c: the rest): a leaves 9 MB of the 64 MiB carry for the working tree
 
 exp_env() {
@@ -159,23 +160,26 @@ EOF
 
 pack_qwen05() {
   local py=${PYTHON:-.venv/bin/python}
-  QWEN_PIECE_MAX=$QWEN_PIECE_MAX "$py" - <<'EOF'
+  QWEN_PIECE_MAX=$QWEN_PIECE_MAX QWEN_FIRST=$QWEN_FIRST "$py" - <<'EOF'
 import json, math, os, shutil
 from pathlib import Path
 from qerl_lib.registry_models import PACKAGED_MODELS, packaged_gguf_path
 m = PACKAGED_MODELS["qwen2.5-coder-0.5b"]
 gguf = packaged_gguf_path(m.name, verify=True)  # joins the installed parts on first use; full hash here
-n = math.ceil(m.size / int(os.environ["QWEN_PIECE_MAX"]))
-step = math.ceil(m.size / n)
+# p0 is small (QWEN_FIRST bytes): it rides with vLLM's piece b, which leaves that much of the carry free.
+first = int(os.environ["QWEN_FIRST"])
+n = math.ceil((m.size - first) / int(os.environ["QWEN_PIECE_MAX"]))
+step = math.ceil((m.size - first) / n)
+sizes = [first] + [step] * n
 root = Path(".device/qwen05")
 shutil.rmtree(root, ignore_errors=True)
-names = [f"qwen05.gguf.part{i:02d}" for i in range(n)]
+names = [f"qwen05.gguf.part{i:02d}" for i in range(len(sizes))]
 manifest = {"model": m.name, "size": m.size, "sha256": m.sha256, "pieces": names}
 with open(gguf, "rb") as f:
     for i, name in enumerate(names):
         d = root / f"p{i}"
         d.mkdir(parents=True)
-        (d / name).write_bytes(f.read(step))
+        (d / name).write_bytes(f.read(sizes[i]))
         (d / "qwen05.manifest.json").write_text(json.dumps(manifest) + "\n")
 for d in sorted(root.iterdir()):
     print(d, sum(p.stat().st_size for p in d.rglob("*") if p.is_file()), "bytes")
@@ -215,7 +219,138 @@ for p in man["pieces"]:
 EOF
 }
 
+# ---------------------------------------------------------------------------------------------
+# Issue 16 on the H200: experiments/qwen05_gsm8k, calls back to back (/tmp lives only while warm):
+#   1  carry .device/vllm/a .device/exp/w      bash .device/vllm/a/install.sh; bash scripts/device_experiment.sh keep-w
+#   2  carry .device/vllm/b .device/qwen05/p0  bash .device/vllm/b/install.sh && bash scripts/device_experiment.sh qwen05
+#   3-10 carry .device/qwen05/pN               bash scripts/device_experiment.sh qwen05
+#        (the last piece joins and checks the GGUF; then `qwen-convert` converts it once to BF16 and NVFP4)
+#   11, 12 (no carry)                          bash scripts/device_experiment.sh qwen-arms
+# Calls 11-12 (and qwen-convert) may run from a frozen copy of the code: `snap` here writes .device/snap.tgz
+# (qerl_lib, flows, tasks, scripts, experiments/qwen05_gsm8k); carry it with call 1, and `keep-w` unpacks it
+# into /tmp/qerl-exp/src, so edits made here meanwhile cannot change a run between its two calls.
+#        (runs every arm x seed of QWEN_RUNS side by side; a second call resumes them)
+# Here: `pack-qwen05` (above) and `GSM8K_DIR=... pack-w` (llm-compressor's wheels and GSM8K's two files).
+QWEN_RUNS=${QWEN_RUNS:-"bf16:0:true nvfp4:0:true nvfp4_aqn:0:false bf16_aqn:0:false nvfp4_aqn_rel:0:false
+  bf16:1:false nvfp4:1:false nvfp4_aqn:1:false bf16:2:false nvfp4:2:false nvfp4_aqn:2:false"}
+# arm:seed:base-eval. Only the first run of each quantization evaluates the base (eval.base): the
+# base's answers do not depend on the arm's AQN or seed, and its evaluation is the longest.
+
+pack_w() {
+  local w=.device/exp/w py=${PYTHON:-.venv/bin/python}
+  rm -rf $w && mkdir -p $w/wheels
+  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d $w/wheels \
+    llmcompressor==0.14.0.1 compressed-tensors==0.19.0 gguf==0.19.0 datasets==5.2.0 dill==0.4.1 pydot==4.0.1 \
+    multiprocess==0.70.19 || return 1
+  cp "${GSM8K_DIR:?set GSM8K_DIR to a folder holding GSM8K train.jsonl and test.jsonl}"/{train,test}.jsonl $w/
+  du -sb $w
+}
+
+snap() {
+  tar --exclude=__pycache__ -czf .device/snap.tgz qerl_lib flows tasks scripts experiments/qwen05_gsm8k pyproject.toml \
+    && ls -la .device/snap.tgz
+}
+
+keep_w() {  # on the device: keep GSM8K (and the frozen code, when carried), install the wheels into $EXP/site
+  mkdir -p $EXP/stash/w $EXP/gsm8k
+  if [ -f .device/snap.tgz ]; then rm -rf $EXP/src && mkdir -p $EXP/src && tar -xzf .device/snap.tgz -C $EXP/src; fi
+  cp -r .device/exp/w/wheels $EXP/stash/w/ && cp .device/exp/w/*.jsonl $EXP/gsm8k/ || return 3
+  python3 -m pip install -q --no-index --no-deps --no-compile --target $EXP/site $EXP/stash/w/wheels/*.whl || return 5
+  touch $EXP/site/.w
+  ls $EXP/site | tr '\n' ' '; echo
+}
+
+qwen_cfg() { echo "experiments/qwen05_gsm8k/$1.yaml"; }
+
+qwen_convert() {  # once: GGUF -> models/base (BF16 HF) -> models/bf16 and models/nvfp4, in two template workspaces
+  [ -f $EXP/site/.w ] || { echo "wheels missing: run keep-w first" >&2; return 3; }
+  exp_env
+  export PYTHONPATH=$EXP/site:/tmp/vllm-site:$PWD  # llm-compressor wants compressed-tensors 0.19 (vLLM's set has 0.17)
+  local t=$EXP/tmpl t0=$SECONDS
+  if [ ! -f $t/bf16/models/bf16/convert_report.json ]; then
+    python3 -m qerl_lib stage convert -c "$(qwen_cfg bf16)" -s data.source=$EXP/gsm8k --root $t/bf16 || return 7
+  fi
+  if [ ! -f $t/nvfp4/models/nvfp4/convert_report.json ]; then
+    mkdir -p $t/nvfp4/models && rm -rf $t/nvfp4/models/base && cp -al $t/bf16/models/base $t/nvfp4/models/base
+    python3 -m qerl_lib stage convert -c "$(qwen_cfg nvfp4)" -s data.source=$EXP/gsm8k --root $t/nvfp4 || return 7
+  fi
+  echo "qwen convert: done in $((SECONDS - t0)) s"; du -sh $t/*/models/*
+}
+
+qwen_arms() {
+  [ -f /tmp/vllm-site/.complete ] || { echo "vLLM is not installed in /tmp/vllm-site" >&2; return 2; }
+  [ -f $EXP/tmpl/nvfp4/models/nvfp4/convert_report.json ] || qwen_convert || return $?
+  exp_env
+  export PYTHONPATH=/tmp/vllm-site:$EXP/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
+  local r arm seed base quant ws t0=$SECONDS pids=() n=0 logs=$EXP/logs
+  mkdir -p "$OUT" $logs
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+  for r in $QWEN_RUNS; do
+    IFS=: read -r arm seed base <<<"$r"
+    quant=$(sed -n 's/^model: {base: [^,]*, quant: \([a-z0-9]*\)}.*/\1/p' "$(qwen_cfg "$arm")")
+    ws=$EXP/runs/$arm/seed$seed
+    if [ ! -d "$ws/models/$quant" ]; then
+      mkdir -p "$ws/models" && cp -al $EXP/tmpl/$quant/models/base "$ws/models/base" \
+        && cp -al $EXP/tmpl/$quant/models/$quant "$ws/models/$quant" || return 8
+    fi
+    local limit=${ARMS_TIMEOUT:-500}
+    [ -n "${ARMS_DEADLINE:-}" ] && limit=$((ARMS_DEADLINE - $(date +%s)))  # an epoch second, for a call that converts first
+    ( timeout -k 15 "$limit" python3 -m qerl_lib run -c "$(qwen_cfg "$arm")" -s data.source=$EXP/gsm8k \
+        -s run.seed="$seed" -s aqn.seed=$((1234 + seed)) -s eval.base="$base" --root "$ws" >> "$logs/$arm.seed$seed.log" 2>&1
+      echo "run $arm seed $seed: rc=$? after $((SECONDS - t0)) s" | tee -a "$logs/$arm.seed$seed.log" ) &
+    pids+=($!)
+    n=$((n + 1))
+    sleep "${ARMS_STAGGER:-3}"  # engines that profile their memory at the same instant misjudge it
+  done
+  ( while sleep 60; do
+      echo "[$((SECONDS - t0)) s] gpu $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader)" \
+        "load $(cut -d' ' -f1 /proc/loadavg) avail $(free -g | awk '/Mem/{print $7}') GiB"
+    done ) &
+  local mon=$!
+  wait "${pids[@]}"
+  kill $mon 2>/dev/null
+  # A run killed at the time limit can leave its engine process; the next call needs the GPU memory back.
+  pkill -9 -f 'VLLM::EngineCore' 2>/dev/null; pkill -9 -f 'qerl_lib run' 2>/dev/null
+  echo "qwen arms: $n runs, $((SECONDS - t0)) s"
+  qwen_collect
+}
+
+qwen_collect() {  # metrics, reports, configs, logs and a few rows of every run: one archive (8 files come back at most)
+  local tag=${QWEN_TAG:-$(date +%H%M%S)} ws
+  for ws in $EXP/runs/*/seed*; do
+    [ -f "$ws/config.yaml" ] && PYTHONPATH=/tmp/vllm-site:$EXP/site:$PWD python3 -m qerl_lib stage report \
+      -c "$ws/config.yaml" --root "$ws" > /dev/null 2>&1 &
+  done
+  wait
+  for ws in $EXP/runs/*/seed*; do
+    python3 - "$ws" <<'EOF' 2>/dev/null
+import sys
+from pathlib import Path
+import pyarrow.parquet as pq
+ws = Path(sys.argv[1])
+for p in sorted(ws.glob("eval/step=*/*.parquet")) + sorted(ws.glob("rewards/step=*/scored.parquet"))[-1:]:
+    out = ws / "samples" / f"{p.parent.name}_{p.stem}.parquet"
+    out.parent.mkdir(exist_ok=True)
+    pq.write_table(pq.read_table(p).slice(0, 24), out)
+EOF
+  done
+  (cd $EXP && find runs -mindepth 2 -maxdepth 2 -type d | while read -r ws; do
+      find "$ws" \( -path "$ws/models" -o -path "$ws/adapters" -o -path "$ws/rollouts" -o -path "$ws/data" \) -prune \
+        -o -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.csv' -o -name '*.yaml' -o -name '*.png' \
+        -o -path '*/samples/*' \) -print
+      find "$ws/models" -maxdepth 2 -name convert_report.json
+    done; find logs -type f) | tar -C $EXP -czf "$OUT/qwen_arms_$tag.tgz" -T -
+  ls -la "$OUT"
+}
+
 case "$cmd" in
+  pack-w) pack_w ;;
+  snap) snap ;;
+  keep-w) keep_w ;;
+  qwen-convert) qwen_convert ;;
+  qwen-arms) qwen_arms ;;
+  qwen-collect) qwen_collect ;;
   pack) PIECE_BYTES="${PIECE_BYTES[*]}" pack ;;
   pack-qwen05) pack_qwen05 ;;
   qwen05) qwen05 ;;

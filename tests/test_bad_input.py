@@ -390,3 +390,24 @@ def test_a_full_disk_names_the_file_being_written(fault_ws, tmp_path):
     assert "no space left on device writing" in errors[0] and f"{mnt}/ws/" in errors[0], errors[0]
     listing = res.stdout.split()
     assert not [n for n in listing if n.endswith((".tmp", ".old")) or n == "step=1"], listing
+
+
+def test_a_vllm_max_model_len_below_prompt_plus_completion_is_refused_by_count(fault_ws, tmp_path):
+    """With the vLLM backend the context is the smaller of max_position_embeddings and
+    rollout.vllm_max_model_len, and the refusal names the field that bounds it."""
+    import yaml
+
+    from qerl_lib.config import ConfigError, QerlConfig
+    from qerl_lib.paths import Layout
+    from qerl_lib.preflight import check_prompt_lengths
+
+    ws = copy_ws(fault_ws, tmp_path / "ws")
+    tree = yaml.safe_load((ws / "tiny.yaml").read_text())
+    cfg = QerlConfig.model_validate(tree)
+    rc = cfg.rollout
+    check_prompt_lengths(cfg, Layout(ws), "train", rc.max_new_tokens, "rollout.max_new_tokens")  # fits
+    tree["rollout"].update(backend="vllm", vllm_max_model_len=rc.max_new_tokens + 2)
+    cfg = QerlConfig.model_validate(tree)
+    with pytest.raises(ConfigError, match=r"> rollout.vllm_max_model_len \(\d+\)") as e:
+        check_prompt_lengths(cfg, Layout(ws), "train", rc.max_new_tokens, "rollout.max_new_tokens")
+    assert "prompt(s) do not fit" in str(e.value)

@@ -62,3 +62,11 @@ def test_missing_and_malformed_files(tmp_path):
 def test_vllm_rank_must_fit():
     with pytest.raises(ConfigError, match="vllm_max_lora_rank"):
         load_config(None, ["rollout.backend=vllm", "lora.r=32", "rollout.vllm_max_lora_rank=16"])
+
+
+def test_eval_base_off_drops_only_the_step_0_evaluation():
+    from qerl_lib.stages.registry import eval_steps
+
+    assert eval_steps(60, 30) == [0, 30, 60]
+    assert eval_steps(60, 30, base=False) == [30, 60]
+    assert eval_steps(6, 0, base=False) == [6]

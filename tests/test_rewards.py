@@ -310,3 +310,15 @@ def test_resolve_grader():
         resolve_grader("auto")
     assert effective_grader("auto", "math") == "math"
     assert effective_grader("gsm8k", "math") == "gsm8k"
+
+
+def test_row_style_picks_stepwise_for_word_problems_and_the_worked_example_for_synthetic_sums():
+    from qerl_lib.rewards import MATH_STYLE, NUMERIC_STYLE, STEPWISE_STYLE, row_style
+
+    assert row_style("auto", "gsm8k", synthetic=True) is NUMERIC_STYLE
+    assert row_style("auto", "gsm8k", synthetic=False) is STEPWISE_STYLE
+    assert row_style("auto", "math", synthetic=False) is MATH_STYLE
+    assert row_style("worked_example", "gsm8k", synthetic=False) is NUMERIC_STYLE
+    assert row_style("stepwise", "gsm8k", synthetic=True) is STEPWISE_STYLE
+    msgs = build_messages("Tom has 5 apples.", "gsm8k", style=STEPWISE_STYLE)
+    assert len(msgs) == 1 and "step by step" in msgs[0]["content"] and "#### <number>" in msgs[0]["content"]

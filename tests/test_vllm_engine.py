@@ -441,3 +441,23 @@ def test_policy_with_vllm_backend_rolls_out_through_the_engine(tiny_llama_dir, t
     assert rows[0]["sampling_logprobs"] == [-1.0, -2.0] and rows[0]["aqn_sigma"] == pytest.approx(sigma)
     assert json.loads((layout.root / "vllm_engine.json").read_text()) == {"startup_seconds": 1.0}
     policy_mod.clear_policy_cache()
+
+
+def test_kv_cache_size_and_max_model_len_reach_vllm_in_process_and_served(tmp_path):
+    """`rollout.vllm_kv_cache_gib` / `vllm_max_model_len` go to `vllm.LLM` and to `vllm serve` alike;
+    unset, neither door passes them (vLLM sizes the cache by profiling)."""
+    from qerl_lib.config import QerlConfig
+    from qerl_lib.policy import vllm_memory_kwargs
+    from qerl_lib.rollout.serve import vllm_command
+
+    (tmp_path / "config.json").write_text('{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}')
+    cfg = QerlConfig()
+    assert vllm_memory_kwargs(cfg.rollout) == {}
+    argv, _ = vllm_command(cfg, tmp_path, "127.0.0.1", 8000)
+    assert "--kv-cache-memory-bytes" not in argv and "--max-model-len" not in argv
+    cfg.rollout.vllm_kv_cache_gib = 2.5
+    cfg.rollout.vllm_max_model_len = 1024
+    assert vllm_memory_kwargs(cfg.rollout) == {"kv_cache_memory_bytes": int(2.5 * 2**30)}
+    argv, _ = vllm_command(cfg, tmp_path, "127.0.0.1", 8000)
+    assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(int(2.5 * 2**30))
+    assert argv[argv.index("--max-model-len") + 1] == "1024"

@@ -59,7 +59,7 @@ def vllm_command(cfg, checkpoint: Path, host: str, port: int) -> tuple[list[str]
     from qerl_lib.env import child_env
     from qerl_lib.policy import dense_above_for
     from qerl_lib.rollout.vllm_engine import EXTENSION, LOGPROBS_MODE
-    from qerl_lib.rollout.vllm_worker import DENSE_ABOVE_ENV
+    from qerl_lib.rollout.vllm_worker import DENSE_ABOVE_ENV, GEMV_ROWS_ENV
 
     rc = cfg.rollout
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
@@ -72,18 +72,26 @@ def vllm_command(cfg, checkpoint: Path, host: str, port: int) -> tuple[list[str]
             "--tensor-parallel-size", str(cfg.parallel.rollout_tensor_parallel), "--disable-log-stats"]
     if rc.vllm_enforce_eager:
         argv.append("--enforce-eager")
+    if rc.vllm_kv_cache_gib is not None:
+        argv += ["--kv-cache-memory-bytes", str(int(rc.vllm_kv_cache_gib * 2**30))]
+    if rc.vllm_max_model_len is not None:
+        argv += ["--max-model-len", str(rc.vllm_max_model_len)]
     extra = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
              "VLLM_USE_FLASHINFER_SAMPLER": os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),
              "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_CONFIGURE_LOGGING": "1"}
     dense = dense_above_for(cfg, checkpoint)
     env = child_env(extra)
     env.pop(DENSE_ABOVE_ENV, None)
+    env.pop(GEMV_ROWS_ENV, None)
     env.pop("VLLM_LORA_ENABLE_DUAL_STREAM", None)
     if dense is not None:
         env[DENSE_ABOVE_ENV] = str(int(dense))
         env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     if rc.vllm_lora_dual_stream:
         env["VLLM_LORA_ENABLE_DUAL_STREAM"] = "1"
+    if rc.vllm_gemv_rows:
+        env[GEMV_ROWS_ENV] = str(int(rc.vllm_gemv_rows))
+        env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     if cfg.parallel.rollout_tensor_parallel > 1:
         env.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
     # The project's worker extension must be importable by vLLM's workers.

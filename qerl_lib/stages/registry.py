@@ -104,7 +104,7 @@ STAGES: tuple[Stage, ...] = (
         inputs=lambda lay, q, s: [lay.prepared("train"), lay.checkpoint(q), lay.adapter(s)],
         outputs=lambda lay, q, s: [lay.rollouts(s), lay.rollout_provenance(s)],
         done=lambda lay, q, s: [lay.rollouts(s)],
-        params=("run.seed", "run.steps", "model.base", "model.chat_template", "model.compute_dtype",
+        params=("run.seed", "run.steps", "data.prompt", "model.base", "model.chat_template", "model.compute_dtype",
                 "model.device", "model.quant", "lora", "rollout", "aqn"),
         gpu=True, uses_policy=True, function="qerl_lib.stages.rollout:rollout_stage",
         seconds_file=lambda lay, q, s: [lay.rollout_provenance(s)],
@@ -134,7 +134,7 @@ STAGES: tuple[Stage, ...] = (
         inputs=lambda lay, q, s: [lay.prepared("test"), lay.checkpoint(q), lay.adapter(s)],
         outputs=lambda lay, q, s: [lay.eval_samples(s), lay.eval_provenance(s), lay.eval_metrics(s)],
         done=lambda lay, q, s: [lay.eval_metrics(s)],
-        params=("run.seed", "model.base", "model.chat_template", "model.compute_dtype", "model.device",
+        params=("run.seed", "data.prompt", "model.base", "model.chat_template", "model.compute_dtype", "model.device",
                 "model.quant", "lora", "rollout.backend", "rollout.batch_size", "rollout.dense_cache", "reward",
                 "aqn.seed", "eval.greedy", "eval.k", "eval.max_new_tokens", "eval.max_prompts",
                 "eval.temperature", "eval.top_p"),
@@ -187,9 +187,9 @@ def outputs(name: str, step: int | None, quant: str, layout: Layout) -> list[Pat
     return st.outputs(layout, quant, step)
 
 
-def eval_steps(steps: int, every: int | None) -> list[int]:
-    """Adapters to evaluate: 0 (the base), every `every` steps, and the last."""
-    out = {0, steps}
+def eval_steps(steps: int, every: int | None, base: bool = True) -> list[int]:
+    """Adapters to evaluate: 0 (the base; unless not `base`), every `every` steps, and the last."""
+    out = {0, steps} if base else {steps}
     if every:
         out.update(range(every, steps, every))
     return sorted(out)
@@ -212,7 +212,7 @@ class Call:
         return self.stage.label(self.step)
 
 
-def plan(steps: int, every: int | None, quant: str, layout: Layout) -> list[Call]:
+def plan(steps: int, every: int | None, quant: str, layout: Layout, base_eval: bool = True) -> list[Call]:
     """Every stage call of a run of `steps` steps, in order (evaluations before the step they precede)."""
 
     def call(name: str, step: int | None = None) -> Call:
@@ -220,7 +220,7 @@ def plan(steps: int, every: int | None, quant: str, layout: Layout) -> list[Call
         return Call(st, step, st.done(layout, quant, step)[0])
 
     calls = [call("prepare"), call("convert"), call("init_adapter")]
-    evals = set(eval_steps(steps, every))
+    evals = set(eval_steps(steps, every, base_eval))
     for i in range(steps):
         if i in evals:
             calls.append(call("eval", i))

@@ -1,0 +1,180 @@
+"""Summarize the issue-16 runs (experiments/qwen05_gsm8k) into results/.
+
+    python experiments/qwen05_gsm8k/summarize.py --archive DIR [--archive DIR ...]
+
+Each DIR is an unpacked `qwen_arms_*.tgz` of `scripts/device_experiment.sh qwen-arms` (its `runs/ARM/seedS`
+workspaces: reports, eval metrics, per-step metric files; and `logs/`). A later archive replaces an
+earlier one's files. Writes, beside this file:
+
+- `results/runs/ARM/seedS/`: the files that the figures come from (steps.csv, eval.csv, metrics.json,
+  stage_times.jsonl, config.yaml, vllm_engine.json, convert_report.json, eval/step=K/metrics.json, and
+  24 rows of each evaluation's samples);
+- `results/summary.json`: one row per (arm, seed) with `arm`, `seed`, `steps` (RL steps done),
+  `greedy_acc`, `pass1` (pass@1 over k samples), their standard errors, `n_test`, wall-clock; the base
+  rows (`arm: "base"` for BF16, `arm: "base_nvfp4"` for the NVFP4 base) from the step-0 evaluations;
+  runs that did not reach their last step are listed under `incomplete` with the step they reached;
+- `results/curves.png`: reward, entropy, KL to the base and kept fraction per step, one line per arm
+  (the mean over its finished seeds, with a band of +- one standard deviation where there are two or more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import re
+import shutil
+import statistics
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ARMS = ["bf16", "nvfp4", "nvfp4_aqn", "bf16_aqn", "nvfp4_aqn_rel", "nf4"]
+KEEP = ["reports/steps.csv", "reports/eval.csv", "reports/metrics.json", "reports/stage_times.jsonl",
+        "config.yaml", "vllm_engine.json"]
+
+
+def _csv(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    with open(path) as f:
+        return [{k: _num(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def _num(v: str):
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return v
+    return int(x) if x.is_integer() and "." not in v and "e" not in v.lower() else x
+
+
+def collect(archives: list[Path], out: Path) -> None:
+    """Copy the result files of every run in `archives` (later ones win) into `out/runs`."""
+    for arc in archives:
+        for ws in sorted(arc.glob("runs/*/seed*")):
+            dest = out / "runs" / ws.parent.name / ws.name
+            for rel in KEEP:
+                if (ws / rel).is_file():
+                    (dest / Path(rel).name).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(ws / rel, dest / Path(rel).name)
+            for p in ws.glob("models/*/convert_report.json"):
+                dest.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(p, dest / "convert_report.json")
+            for p in ws.glob("eval/step=*/metrics.json"):
+                (dest / "eval" / p.parent.name).mkdir(parents=True, exist_ok=True)
+                shutil.copy2(p, dest / "eval" / p.parent.name / "metrics.json")
+            for p in ws.glob("samples/*.parquet"):
+                (dest / "samples").mkdir(parents=True, exist_ok=True)
+                shutil.copy2(p, dest / "samples" / p.name)
+            log = arc / "logs" / f"{ws.parent.name}.{ws.name}.log"
+            if log.is_file():  # the stage lines only: the progress of the run, call by call
+                lines = [s for s in log.read_text(errors="replace").splitlines()
+                         if re.match(r"^\[\d+/\d+\] |^run .* rc=", s)]
+                dest.mkdir(parents=True, exist_ok=True)
+                (dest / "stages.log").write_text("\n".join(lines) + "\n")
+
+
+def _steps_done(run: Path) -> int:
+    rows = _csv(run / "steps.csv")
+    done = [r["step"] for r in rows if r.get("has_update") == 1]
+    if done:
+        return max(done) + 1
+    log = run / "stages.log"  # a run stopped before its first report: count its update lines
+    ups = re.findall(r"\] update@(\d+):", log.read_text()) if log.is_file() else []
+    return max(map(int, ups)) + 1 if ups else 0
+
+
+def summarize(out: Path) -> dict:
+    rows, base, incomplete = [], [], []
+    for run in sorted(out.glob("runs/*/seed*")):
+        arm, seed = run.parent.name, int(run.name[4:])
+        cfg = (run / "config.yaml").read_text() if (run / "config.yaml").is_file() else ""
+        planned = int(re.search(r"^  steps: (\d+)", cfg, re.M).group(1)) if cfg else 60
+        evals = {int(p.parent.name.split("=")[1]): json.loads(p.read_text()) for p in run.glob("eval/step=*/metrics.json")}
+        steps = _steps_done(run)
+        times = [json.loads(s) for s in (run / "stage_times.jsonl").read_text().splitlines()] \
+            if (run / "stage_times.jsonl").is_file() else []
+        by_stage: dict[str, float] = {}
+        for t in times:
+            by_stage[t["stage"]] = round(by_stage.get(t["stage"], 0.0) + t["seconds"], 1)
+        if 0 in evals:
+            m = evals[0]
+            base.append({"arm": "base" if "quant: bf16" in cfg else "base_nvfp4", "from_run": f"{arm}/seed{seed}",
+                         "seed": seed, "steps": 0, "greedy_acc": m["greedy_acc"], "greedy_se": m["greedy_acc_se"],
+                         "pass1": m["pass_at_1"], "pass1_se": m["pass_at_1_se"], "k": m["k"],
+                         "n_test": m["n_prompts"], "greedy_format_rate": m["greedy_format_rate"]})
+        if planned not in evals:
+            incomplete.append({"arm": arm, "seed": seed, "steps": steps, "planned": planned})
+            continue
+        m = evals[planned]
+        rows.append({"arm": arm, "seed": seed, "steps": steps, "greedy_acc": m["greedy_acc"],
+                     "greedy_se": m["greedy_acc_se"], "pass1": m["pass_at_1"], "pass1_se": m["pass_at_1_se"],
+                     "k": m["k"], "n_test": m["n_prompts"], "greedy_format_rate": m["greedy_format_rate"],
+                     "seconds_by_stage": by_stage, "seconds_total": round(sum(by_stage.values()), 1)})
+    per_arm = {}
+    for arm in ARMS:
+        rs = [r for r in rows if r["arm"] == arm]
+        if not rs:
+            continue
+        agg = {"seeds": [r["seed"] for r in rs]}
+        for key in ("greedy_acc", "pass1"):
+            vals = [r[key] for r in rs]
+            agg[key] = statistics.fmean(vals)
+            agg[f"{key}_std"] = statistics.stdev(vals) if len(vals) > 1 else None
+        per_arm[arm] = agg
+    return {"base": base, "rows": base + rows, "per_arm": per_arm, "incomplete": incomplete}
+
+
+def plot(out: Path, arms: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [("reward_mean", "training reward (mean of the step's 64 samples)"), ("entropy", "entropy (nats/token)"),
+            ("kl", "KL to the base (measured, not penalized)"), ("correct_rate", "correct rate of the samples")]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    for ax, (key, title) in zip(axes.flat, keys):
+        for arm in arms:
+            runs = [_csv(p / "steps.csv") for p in sorted((out / "runs" / arm).glob("seed*"))]
+            runs = [r for r in runs if r and len(r) >= 60]
+            if not runs:
+                continue
+            n = min(len(r) for r in runs)
+            xs = list(range(n))
+            cols = [[float(r[i][key]) if r[i][key] not in ("", None) else math.nan for i in xs] for r in runs]
+            mean = [statistics.fmean(c[i] for c in cols) for i in xs]
+            line, = ax.plot(xs, mean, label=f"{arm} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
+            if len(runs) > 1:
+                sd = [statistics.stdev(c[i] for c in cols) for i in xs]
+                ax.fill_between(xs, [m - s for m, s in zip(mean, sd)], [m + s for m, s in zip(mean, sd)],
+                                color=line.get_color(), alpha=0.2)
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+    axes.flat[0].legend(fontsize=8)
+    fig.suptitle("Qwen2.5-Coder-0.5B-Instruct on GSM8K, 60 steps x 64 samples (experiments/qwen05_gsm8k)")
+    fig.tight_layout()
+    fig.savefig(out / "curves.png", dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--archive", type=Path, action="append", default=[], help="an unpacked qwen_arms_*.tgz")
+    ap.add_argument("--out", type=Path, default=HERE / "results")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    collect(args.archive, args.out)
+    summary = summarize(args.out)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    plot(args.out, ARMS)
+    for r in summary["rows"]:
+        print(f"{r['arm']:>14} seed {r['seed']} steps {r['steps']:>2}: greedy {r['greedy_acc']:.3f} ± {r['greedy_se']:.3f}"
+              f"  pass@1 {r['pass1']:.3f} ± {r['pass1_se']:.3f}  (n={r['n_test']})")
+    for r in summary["incomplete"]:
+        print(f"{r['arm']:>14} seed {r['seed']}: stopped after {r['steps']} of {r['planned']} steps (not counted)")
+
+
+if __name__ == "__main__":
+    main()
