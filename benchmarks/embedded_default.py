@@ -87,7 +87,8 @@ def main() -> None:
         "config": {"steps": cfg.run.steps, "prompts_per_step": cfg.rollout.prompts_per_step,
                    "group_size": cfg.rollout.group_size, "max_new_tokens": cfg.rollout.max_new_tokens,
                    "eval_prompts": cfg.eval.max_prompts, "eval_k": cfg.eval.k, "quant": cfg.model.quant,
-                   "lr": cfg.optim.lr, "aqn": cfg.aqn.enabled, "threads": cfg.run.threads,
+                   "lr": cfg.optim.lr, "aqn": cfg.aqn.enabled, "scale_rewards": cfg.algo.scale_rewards,
+                   "format_weight": cfg.reward.format_weight, "threads": cfg.run.threads,
                    "eval_max_new_tokens": cfg.eval.max_new_tokens},
         "seconds_total": round(total, 2),
         "seconds_per_stage": {k: {"calls": len(v), "mean": round(sum(v) / len(v), 2), "total": round(sum(v), 2)}

@@ -26,6 +26,8 @@ sizes = the batch sizes):
   nvfp4h-rR   the project's regime (`qerl_lib.rollout.vllm_worker`): Marlin + LoRA kernels up to
               `--dense-above` sequences per step; above, one dense BF16 GEMM per linear with
               the adapter merged in (no LoRA kernels)
+  nvfp4g-rR   nvfp4h with the project's NVFP4 decode GEMM (`qerl_lib.kernels.nvfp4_gemv`, LoRA fused
+              in the launch) for steps of at most `--gemv-rows` sequences instead of Marlin + LoRA kernels
   ...-ds      suffix: vLLM's LoRA kernels on a second CUDA stream (VLLM_LORA_ENABLE_DUAL_STREAM)
 "No LoRA" is measured on the rank-16 engines with requests that carry no adapter (vLLM
 captures separate CUDA graphs for batches without LoRA).
@@ -92,7 +94,7 @@ def lora_bytes(rank: int) -> int:
 def weight_bytes_per_step(fmt: str, batch: int, slot_rank: int, dense_above: int | None) -> int:
     """Bytes of weights one decode step reads: linears in their format, the bf16 lm_head, LoRA slots."""
     lm_head = 2 * SHAPE["vocab"] * SHAPE["hidden"]
-    dense = fmt == "bf16" or (fmt == "nvfp4h" and dense_above is not None and batch > dense_above)
+    dense = fmt == "bf16" or (fmt in ("nvfp4h", "nvfp4g") and dense_above is not None and batch > dense_above)
     if fmt == "nf4":
         per = 0.5 + 4 / 64  # 4-bit codes + one float32 absmax per 64 (vLLM's in-flight NF4, no double quant)
     else:
@@ -266,7 +268,7 @@ def parse_spec(spec: str) -> tuple[str, int, bool]:
     """`FMT-rR[-ds]` -> (format, max LoRA rank, LoRA kernels on a second CUDA stream)."""
     dual = spec.endswith("-ds")
     fmt, rank = spec.removesuffix("-ds").split("-r")
-    assert fmt in ("bf16", "nvfp4", "nvfp4h", "nf4"), spec
+    assert fmt in ("bf16", "nvfp4", "nvfp4h", "nvfp4g", "nf4"), spec
     return fmt, int(rank), dual
 
 
@@ -296,13 +298,15 @@ def run_engine(args) -> None:
         # vLLM quantizes a 16-bit checkpoint to NF4 as it loads it; dummy weights have no file to quantize.
         kwargs["quantization"] = "bitsandbytes"
     ckpt = work / {"bf16": "bf16", "nf4": "bf16-weights"}.get(fmt, "nvfp4")
-    dense_above = args.dense_above if fmt == "nvfp4h" else None
+    dense_above = args.dense_above if fmt in ("nvfp4h", "nvfp4g") else None
+    gemv_rows = args.gemv_rows if fmt == "nvfp4g" else None
     eng = VLLMEngine(ckpt, max_lora_rank=rank, gpu_memory_utilization=args.mem, enforce_eager=False, seed=0,
                      max_model_len=args.prompt + args.decode + 16, dense_above=dense_above, lora_dual_stream=dual,
-                     engine_kwargs=kwargs)
+                     gemv_rows=gemv_rows, engine_kwargs=kwargs)
     result["startup_seconds"] = eng.stats.startup_seconds
     result["linear_info"] = eng.rpc("qerl_linear_info")
     result["dense_above"] = dense_above
+    result["gemv_rows"] = gemv_rows
     result["gpu_memory_utilization"] = args.mem
     print(f"[{args.child}] engine up in {eng.stats.startup_seconds:.1f} s: {result['linear_info']}", flush=True)
     save()
@@ -380,7 +384,7 @@ def summarize(res: dict) -> dict:
             row["over_bf16"] = round(med / ref[0]["decode_tok_s"]["median"], 3)
         if bw:
             dense_above = e.get("dense_above")
-            merged = fmt == "nvfp4h" and dense_above is not None and b > dense_above
+            merged = fmt in ("nvfp4h", "nvfp4g") and dense_above is not None and b > dense_above
             wb = weight_bytes_per_step(fmt, b, slot if lora and not merged else 0, dense_above)
             kvb = kv_bytes_per_step(b, c["prompt"], c["decode"])
             row["weight_bytes_per_step"] = wb
@@ -472,7 +476,7 @@ def driver(args) -> None:
                "--deadline", str(min(deadline, time.time() + share) - 5),
                "--dense-above", str(dense_above), "--prompt", str(args.prompt), "--decode", str(args.decode),
                "--batches", args.batches, "--trials", str(args.trials), "--trials-large", str(args.trials_large),
-               "--large-batch", str(args.large_batch), "--mem", str(args.mem)]
+               "--large-batch", str(args.large_batch), "--mem", str(args.mem), "--gemv-rows", str(args.gemv_rows)]
         if args.loras:
             cmd += ["--loras", args.loras]
         print(f"== engine {spec} ({left:.0f} s left)", flush=True)
@@ -530,6 +534,7 @@ def main() -> None:
     p.add_argument("--large-batch", type=int, default=256)
     p.add_argument("--mem", type=float, default=0.5, help="gpu_memory_utilization of each engine")
     p.add_argument("--dense-above", type=int, default=None, help="rows above which nvfp4h runs dense (default: profile)")
+    p.add_argument("--gemv-rows", type=int, default=16, help="rows up to which nvfp4g runs the NVFP4 decode GEMM")
     p.add_argument("--deadline-s", type=float, default=540.0, help="stop starting work after this many seconds")
     p.add_argument("--min-engine-s", type=float, default=100.0, help="start an engine only with this much time left")
     p.add_argument("--no-share", action="store_true", help="let each engine use all the time left (default: a fair share)")

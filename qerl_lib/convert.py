@@ -165,8 +165,15 @@ def _nvfp4_oneshot_call(base_dir: Path, out_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
     recipe = QuantizationModifier(**RECIPE)
     # Data-free: NVFP4A16 needs no calibration set (weights-only, min-max observer).
-    oneshot(model=model, recipe=recipe)
-    model.save_pretrained(str(out_dir), save_compressed=True)
+    try:
+        oneshot(model=model, recipe=recipe)
+        model.save_pretrained(str(out_dir), save_compressed=True)  # reads the session's recipe
+    finally:
+        # llm-compressor's global session keeps the model (and its lifecycle state) after oneshot:
+        # 280 MB of SmolLM2 held for the rest of a `qerl run`, and state a second convert would reuse.
+        from llmcompressor.core import reset_session
+
+        reset_session()
     tokenizer.save_pretrained(str(out_dir))
     drop_environment_keys(out_dir / "tokenizer_config.json")
     cfg = json.loads((out_dir / "config.json").read_text())

@@ -38,3 +38,25 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
         env.setdefault(key, value)
     env.update(extra or {})
     return env
+
+
+def release_memory() -> None:
+    """Give freed heap memory back to the operating system: a garbage collection, then glibc's
+    `malloc_trim(0)` (a no-op elsewhere).
+
+    glibc keeps the pages of freed blocks that lie below its (dynamic) mmap threshold; the large
+    tensors a stage frees at its end (the dense inference cache of a rollout, the activations of an
+    update, llm-compressor's model copy) then stay resident and the next stage's peak comes on top.
+    `qerl run` calls this between stages (`qerl_lib.run.run_all`)."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)

@@ -289,9 +289,9 @@ def tiny_pipeline_tree(base: Path) -> dict:
         "model": {"base": str(base)},
         "data": {"synthetic_train": 16, "synthetic_test": 4},
         "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "batch_size": 8},
-        "reward": {"overlong_buffer": 8},
+        "reward": {"overlong_buffer": 8, "format_weight": 0.1},  # the tiny models are never right
         "eval": {"max_prompts": 2, "k": 1, "max_new_tokens": 6},
-        "aqn": {"stages": 2},
+        "aqn": {"enabled": True, "stages": 2},
     }
 
 

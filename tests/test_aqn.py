@@ -24,7 +24,8 @@ S, E = 1e-2, 5e-4
 
 
 def cfg(**kw):
-    return AQNConfig(**{"sigma_start": S, "sigma_end": E, **kw})
+    """An enabled schedule (AQN is off in the code defaults: the embedded default runs without it)."""
+    return AQNConfig(**{"enabled": True, "sigma_start": S, "sigma_end": E, **kw})
 
 
 # --------------------------------------------------------------------------- schedule

@@ -23,7 +23,8 @@ def tiny_cfg(base, root, **extra):
         "data": {"synthetic_train": 16, "synthetic_test": 4},
         "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "batch_size": 8},
         "eval": {"max_prompts": 3, "k": 2, "max_new_tokens": 8},
-        "aqn": {"stages": 2},
+        "reward": {"format_weight": 0.1},  # the only reward a tiny random model earns
+        "aqn": {"enabled": True, "stages": 2},
     }
     for section, values in extra.items():
         tree.setdefault(section, {}).update(values)

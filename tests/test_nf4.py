@@ -45,8 +45,9 @@ def test_two_step_run_trains_the_adapter_on_an_nf4_base(tiny_llama_dir, tmp_path
         "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "batch_size": 8},
         "eval": {"max_prompts": 2, "k": 1, "max_new_tokens": 6},
         "algo": {"dynamic_sampling": False},
+        "reward": {"format_weight": 0.1},
         "optim": {"lr": 1e-2},
-        "aqn": {"stages": 2},
+        "aqn": {"enabled": True, "stages": 2},
     })
     run_all(cfg)
     lay = Layout(tmp_path)

@@ -64,7 +64,7 @@ def _perturbed_solution(answer: str) -> str:
 
 
 def test_gsm8k_reference_solutions_score_one_strict(gsm8k_rows):
-    cfg = RewardConfig(lenient_extraction=False)
+    cfg = RewardConfig(lenient_extraction=False, format_weight=0.1)
     for row in gsm8k_rows:
         truth = _truth(row["answer"])
         r = score(row["answer"], truth, "gsm8k", n_tokens=100, max_new_tokens=512, truncated=False, cfg=cfg)
@@ -73,7 +73,7 @@ def test_gsm8k_reference_solutions_score_one_strict(gsm8k_rows):
 
 
 def test_gsm8k_perturbed_answers_score_zero(gsm8k_rows):
-    cfg = RewardConfig(lenient_extraction=False)
+    cfg = RewardConfig(lenient_extraction=False, format_weight=0.1)
     for row in gsm8k_rows:
         truth = _truth(row["answer"])
         wrong = _perturbed_solution(row["answer"])
@@ -230,7 +230,7 @@ def test_has_format():
 
 
 def test_format_reward_is_paid_for_wrong_answers():
-    cfg = RewardConfig()
+    cfg = RewardConfig(format_weight=0.1)
     r = score("2 + 3 = 6\n#### 6", "5", "arith", n_tokens=8, max_new_tokens=48, truncated=False, cfg=cfg)
     assert (r.correct, r.format, r.total, r.extracted) == (False, True, pytest.approx(0.1), "6")
     r = score("#### 5", "5", "arith", n_tokens=8, max_new_tokens=48, truncated=False,
@@ -250,10 +250,10 @@ def test_overlong_penalty_values(n_tokens, truncated, expected):
 
 def test_overlong_penalty_in_score_and_off_by_default():
     kw = dict(n_tokens=40, max_new_tokens=48, truncated=False)
-    on = RewardConfig(overlong_buffer=16, overlong_penalty=0.5)
+    on = RewardConfig(overlong_buffer=16, overlong_penalty=0.5, format_weight=0.1)
     r = score("#### 5", "5", "arith", cfg=on, **kw)
     assert r.overlong == pytest.approx(-0.25) and r.total == pytest.approx(1.1 - 0.25)
-    r = score("#### 5", "5", "arith", cfg=RewardConfig(), n_tokens=48, max_new_tokens=48, truncated=True)
+    r = score("#### 5", "5", "arith", cfg=RewardConfig(format_weight=0.1), n_tokens=48, max_new_tokens=48, truncated=True)
     assert r.overlong == 0.0 and r.total == pytest.approx(1.1)
 
 

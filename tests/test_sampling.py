@@ -5,7 +5,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from qerl_lib.rollout.sampling import SamplingParams, inverse_cdf_sample, sample_batch
+from qerl_lib.rollout import sampling
+from qerl_lib.rollout.sampling import SamplingParams, inverse_cdf_sample, sample_batch, shared_prefix_length
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -67,3 +68,33 @@ def test_greedy_takes_the_argmax_and_records_its_logprob(tiny_llama):
         logits = model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
     assert c.token_ids == [int(logits.argmax())]
     assert abs(c.logprobs[0] - float(torch.log_softmax(logits, -1).max())) < 1e-5
+
+
+def test_shared_prefix_length_leaves_every_row_a_token_of_its_own():
+    assert shared_prefix_length([[1, 2, 3]]) == 0  # one row: nothing to share
+    assert shared_prefix_length([[1, 2, 3, 4], [1, 2, 5]]) == 2
+    assert shared_prefix_length([[1, 2, 3], [1, 2, 3]]) == 2  # identical prompts keep their last token
+    assert shared_prefix_length([[7, 2], [1, 2]]) == 0
+
+
+def test_a_shared_prefix_is_prefilled_once_with_the_same_samples(tiny_llama, monkeypatch):
+    """Rows whose prompts share >= MIN_SHARED_PREFIX tokens sample what they sample without the
+    sharing (the prefix's KV cache repeated over the rows, suffixes padded behind it): same tokens,
+    logprobs equal up to float rounding; and the prefix runs as one row."""
+    model = tiny_llama
+    prefix = [(11 * i) % 200 + 20 for i in range(20)]
+    prompts = [prefix + [5, 6, 7], prefix + [9], prefix + [5, 6, 7], prefix + [30, 31]]
+    seeds = [3, 4, 5, 6]
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=10)
+    widths = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, a, o: widths.append(tuple(a[0].shape)))
+    try:
+        shared = sample_batch(model, prompts, seeds, params, eos_ids=set(), pad_id=0)
+    finally:
+        hook.remove()
+    assert widths[0] == (1, 20) and widths[1] == (4, 3)  # the prefix once, then the suffixes
+    monkeypatch.setattr(sampling, "MIN_SHARED_PREFIX", 10**9)
+    plain = sample_batch(model, prompts, seeds, params, eos_ids=set(), pad_id=0)
+    for a, b in zip(shared, plain):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4

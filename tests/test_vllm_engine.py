@@ -393,7 +393,7 @@ def test_policy_with_vllm_backend_rolls_out_through_the_engine(tiny_llama_dir, t
         "model": {"base": str(tiny_llama_dir)},
         "data": {"synthetic_train": 8, "synthetic_test": 2},
         "rollout": {"backend": "vllm", "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
-        "aqn": {"stages": 2},
+        "aqn": {"enabled": True, "stages": 2},
     })
     layout = Layout(cfg.run.root)
     stages.prepare_stage(cfg, layout)

@@ -16,6 +16,12 @@ that token: the full tempered distribution, before top-p truncation. The trainer
 computes the same quantity (`losses.gather_logprobs`), so the importance ratio
 compares like with like. With temperature 0 (greedy) the untempered log softmax is
 recorded.
+
+The prefix that every prompt of a batch shares (at least `MIN_SHARED_PREFIX` tokens: the chat
+template's system turn and the task's worked example, or a GRPO group's one prompt) is prefilled
+once, as one row, and its KV cache repeated over the rows. On the embedded default (86 of 116-130
+prompt tokens shared) an evaluation batch of 32 rows x 32 tokens took 13.9 s against 17.4 s without
+(greedy; 15.3 s against 20.1 s sampled), every row with the same tokens and logprobs within 2e-5.
 """
 
 from __future__ import annotations
@@ -79,6 +85,22 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor, top_p: float = 1.0)
     return order.gather(-1, idx.unsqueeze(-1)).squeeze(-1)
 
 
+MIN_SHARED_PREFIX = 16
+"""Shortest token prefix common to every row of a batch that `sample_batch` prefills once."""
+
+
+def shared_prefix_length(prompts: list[list[int]]) -> int:
+    """Tokens at the start of every prompt that all rows share, leaving each row at least one token of
+    its own (the last prompt token's logits start decoding); 0 for a single row."""
+    if len(prompts) < 2:
+        return 0
+    first, n = prompts[0], min(len(p) for p in prompts) - 1
+    i = 0
+    while i < n and all(p[i] == first[i] for p in prompts):
+        i += 1
+    return i
+
+
 @torch.no_grad()
 def sample_batch(
     model,
@@ -94,8 +116,27 @@ def sample_batch(
     `on_step(tokens_decoded, rows_finished)`, when given, is called after every decode step (progress
     inside a batch; it never changes a token)."""
     device = next(model.parameters()).device
-    ids, mask = _left_pad(prompts, pad_id, device)
-    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    past = None
+    shared = shared_prefix_length(prompts)
+    if shared >= MIN_SHARED_PREFIX:
+        # The prefix every row shares (a chat template's system turn, a worked example, a GRPO group's
+        # prompt) is computed once and its KV cache repeated over the rows; only the suffixes, left-padded
+        # behind it (padding masked out, positions continuing from the prefix), prefill per row.
+        with torch.no_grad():
+            pre = torch.tensor([prompts[0][:shared]], dtype=torch.long, device=device)
+            out = model(input_ids=pre, attention_mask=torch.ones_like(pre), position_ids=torch.arange(
+                shared, device=device).view(1, -1), use_cache=True, logits_to_keep=1)
+        past = out.past_key_values
+        if hasattr(past, "batch_repeat_interleave"):
+            past.batch_repeat_interleave(len(prompts))
+            ids, suffix_mask = _left_pad([p[shared:] for p in prompts], pad_id, device)
+            positions = shared + (suffix_mask.cumsum(-1) - 1).clamp_min(0)
+            mask = torch.cat([torch.ones((len(prompts), shared), dtype=suffix_mask.dtype, device=device), suffix_mask], 1)
+        else:  # a legacy tuple cache: no sharing
+            past = None
+    if past is None:
+        ids, mask = _left_pad(prompts, pad_id, device)
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
     gens = []
     for s in seeds:
         g = torch.Generator(device="cpu")
@@ -105,7 +146,6 @@ def sample_batch(
     out_tokens: list[list[int]] = [[] for _ in range(B)]
     out_lps: list[list[float]] = [[] for _ in range(B)]
     finish = [None] * B
-    past = None
     step_ids, step_pos = ids, positions
     temp = params.temperature if params.temperature > 0 else 1.0
     for t in range(params.max_new_tokens):

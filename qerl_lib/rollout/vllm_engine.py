@@ -53,7 +53,9 @@ What the engine does, and why:
   (`set_policy` re-merges it on every adapter change), which needs no LoRA kernel.
   `lora_dual_stream` sets vLLM's `VLLM_LORA_ENABLE_DUAL_STREAM`, which runs the LoRA kernels
   on a second CUDA stream beside the base GEMM (the small-batch regime's LoRA cost is launch
-  latency, which the overlap hides).
+  latency, which the overlap hides). `gemv_rows=M_g` (off by default): steps of at most M_g rows run
+  the project's NVFP4 decode GEMM with the LoRA fused in (`qerl_lib.kernels.nvfp4_gemv`) instead of
+  Marlin + vLLM's LoRA kernels.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from qerl_lib.rollout.sampling import Completion, SamplingParams, logit_scale  # noqa: F401  (re-exported)
-from qerl_lib.rollout.vllm_worker import DENSE_ABOVE_ENV
+from qerl_lib.rollout.vllm_worker import DENSE_ABOVE_ENV, GEMV_ROWS_ENV
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +196,8 @@ class VLLMEngine:
     extension, `logprobs_mode="raw_logprobs"` and token-id prompts (no tokenizer in vLLM).
     `dense_above`: sequences per decode step above which NVFP4 linears run dense with the adapter
     merged in (None: never; module doc). `lora_dual_stream`: vLLM's LoRA kernels on a second
-    CUDA stream (`VLLM_LORA_ENABLE_DUAL_STREAM`). `tensor_parallel_size`: GPUs the engine spans
+    CUDA stream (`VLLM_LORA_ENABLE_DUAL_STREAM`). `gemv_rows`: sequences per decode step up to which
+    NVFP4 linears run `qerl_lib.kernels.nvfp4_gemv` (None/0: never). `tensor_parallel_size`: GPUs the engine spans
     (vLLM's own tensor parallelism over NCCL, NVLink multicast off); every worker then holds the
     same norms, so AQN and trained norms are written by each.
     `engine_kwargs` go to `vllm.LLM` unchanged (e.g. `compilation_config`, `max_num_seqs`).
@@ -212,6 +215,7 @@ class VLLMEngine:
         dense_above: int | None = None,
         enable_lora: bool = True,
         lora_dual_stream: bool = False,
+        gemv_rows: int | None = None,
         tensor_parallel_size: int = 1,
         sleep_mode: bool = True,
         engine_kwargs: dict | None = None,
@@ -223,6 +227,7 @@ class VLLMEngine:
         self.max_lora_rank = max_lora_rank
         self.dense_above = dense_above
         self.lora_dual_stream = lora_dual_stream
+        self.gemv_rows = gemv_rows or None
         self.merges_adapter = enable_lora and dense_above is not None
         """Whether the workers hold dense weights with the adapter merged in (re-merged on every swap)."""
         self.sleep_mode = sleep_mode
@@ -235,6 +240,11 @@ class VLLMEngine:
                 os.environ.pop(DENSE_ABOVE_ENV, None)
             else:
                 os.environ[DENSE_ABOVE_ENV] = str(int(dense_above))
+            if self.gemv_rows is None:
+                os.environ.pop(GEMV_ROWS_ENV, None)
+            else:
+                os.environ[GEMV_ROWS_ENV] = str(int(self.gemv_rows))
+            if dense_above is not None or self.gemv_rows is not None:
                 # The op changes the traced graph but not vLLM's config hash: keep its compiled
                 # artifacts apart from those of a plain engine of the same model.
                 os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
@@ -395,7 +405,7 @@ class VLLMEngine:
         s = self.stats
         out = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in s.__dict__.items()}
         out.update(checkpoint=str(self.checkpoint), max_lora_rank=self.max_lora_rank, dense_above=self.dense_above,
-                   lora_dual_stream=self.lora_dual_stream,
+                   gemv_rows=self.gemv_rows, lora_dual_stream=self.lora_dual_stream,
                    adapter_id=None if self.lora_request is None else self.lora_request.lora_int_id,
                    adapter_version=self.slots.version, noise=list(self._noise))
         return out

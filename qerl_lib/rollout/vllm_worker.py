@@ -30,12 +30,19 @@ per step on the 7B shape, which at batch 1 costs 30% of NVFP4's speed.
   +0.5625 on the host. A merged engine serves one adapter at a time: every request must carry
   the current adapter (`VLLMEngine.generate` passes it), and tensor parallelism keeps the
   unmerged dense path (base dense + LoRA kernels).
+- `QERL_VLLM_GEMV_ROWS=M_g` (off unless set; `rollout.vllm_gemv_rows`): steps of at most M_g rows run
+  the project's NVFP4 decode GEMM (`qerl_lib.kernels.nvfp4_gemv`: the codes read once, dequantized in
+  registers, the LoRA of the linear in the same launch with vLLM's own slot-0 LoRA buffers and per-token
+  slots) instead of Marlin + the LoRA kernels, inside the same opaque ops, so CUDA graphs capture it.
+  Costs a GPU copy of the packed codes and scales in compressed-tensors layout (+0.5625 bytes per
+  weight; Marlin keeps its own permuted copy). Engines with `max_loras` > 1 keep vLLM's LoRA path.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -46,6 +53,8 @@ from qerl_lib.aqn import NoiseInjector, norm_key
 
 DENSE_ABOVE_ENV = "QERL_VLLM_DENSE_ABOVE"
 """Environment variable read in the worker at load: rows above which NVFP4 linears run dense."""
+GEMV_ROWS_ENV = "QERL_VLLM_GEMV_ROWS"
+"""Environment variable read in the worker at load: rows up to which NVFP4 linears run the decode GEMM."""
 PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 """vLLM's fused projections and their HF/PEFT parts (used when the model lists none)."""
 
@@ -143,6 +152,26 @@ def dense_above_from_env() -> int | None:
     return int(raw)
 
 
+def gemv_rows_from_env() -> int | None:
+    """`QERL_VLLM_GEMV_ROWS` as an int (rows up to which NVFP4 linears run `nvfp4_gemv`), None if unset/off/0."""
+    raw = os.environ.get(GEMV_ROWS_ENV, "").strip().lower()
+    if raw in ("", "0", "off", "none", "false"):
+        return None
+    rows = int(raw)
+    if not 1 <= rows <= 64:
+        raise ValueError(f"{GEMV_ROWS_ENV}={raw}: the decode GEMM serves 1 to 64 rows")
+    return rows
+
+
+def partition_scales(global_scales: torch.Tensor, widths: list[int]) -> torch.Tensor:
+    """float32 [N]: each output row's compressed-tensors global scale (one per fused partition), as
+    `dequantize_partitions` applies them."""
+    gs = global_scales.reshape(-1).float()
+    if gs.numel() != len(widths):
+        raise ValueError(f"{gs.numel()} global scales for partitions {widths}")
+    return torch.cat([gs[i:i + 1].expand(w) for i, w in enumerate(widths)]).contiguous()
+
+
 def merge_partitions(dense: torch.Tensor, widths: list[int], deltas: list[torch.Tensor | None]) -> torch.Tensor:
     """`dense` [N, K] with `deltas[i]` [widths[i], K] (float32, already scaled) added to partition i, in place.
 
@@ -192,9 +221,10 @@ def adapter_deltas(adapter_dir: str | Path) -> tuple[dict[str, torch.Tensor], fl
 # ============================================================================ NVFP4 regimes (patches)
 
 _STATE: dict[str, Any] = {"installed": False, "layers": [], "lora": {}, "threshold": None, "orig_apply": None,
-                          "adapter": None}
+                          "adapter": None, "gemv_rows": 0}
 """Worker-process state: hybrid layers (method, layer) by index, LoRA wrappers by the same index,
-the row threshold, vLLM's original `CompressedTensorsLinearMethod.apply`, the merged adapter."""
+the row threshold (dense above it), vLLM's original `CompressedTensorsLinearMethod.apply`, the merged
+adapter, the rows up to which the decode GEMM runs (0: never)."""
 
 
 class _Reentry:
@@ -212,6 +242,24 @@ def _is_nvfp4_a16(layer) -> bool:
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=torch.cuda.is_available())
     return out.copy_(t.detach())
+
+
+def _gemv_lora(wrapper):
+    """(A slices, B slices, per-token slots) of vLLM's LoRA wrapper for `nvfp4_gemv`, or None when the
+    fused path does not apply (more than one LoRA slot, another dtype, slices not covering the rows)."""
+    cached = getattr(wrapper, "qerl_gemv_lora", None)
+    if cached is None:
+        a = [t[0, 0] for t in wrapper.lora_a_stacked]  # slot 0: [max_rank, K]
+        b = [t[0, 0] for t in wrapper.lora_b_stacked]  # [n_i, max_rank], scaling folded in by vLLM
+        base = wrapper.base_layer
+        ok = (wrapper.lora_a_stacked[0].shape[0] == 1 and 1 <= len(a) <= 3
+              and sum(t.shape[0] for t in b) == base.output_size_per_partition
+              and all(t.dtype == getattr(base, "params_dtype", None) for t in a + b))
+        cached = wrapper.qerl_gemv_lora = (a, b) if ok else False
+    if cached is False:
+        return None
+    indices = getattr(getattr(wrapper, "punica_wrapper", None), "_token_lora_indices", None)
+    return None if indices is None else (*cached, indices)
 
 
 def install_patches() -> bool:
@@ -239,6 +287,11 @@ def install_patches() -> bool:
     def nvfp4_hybrid_linear(x: torch.Tensor, index: int, with_bias: bool) -> torch.Tensor:
         method, layer = _STATE["layers"][index]
         rows = x.numel() // x.shape[-1]
+        if rows <= _STATE["gemv_rows"] and x.dtype in (torch.bfloat16, torch.float16):
+            from qerl_lib.kernels.nvfp4_gemv import nvfp4_gemv
+
+            packed, scale, gs, bias = layer.qerl_gemv
+            return nvfp4_gemv(x, packed, scale, gs, bias if with_bias else None)
         if rows <= _STATE["threshold"]:
             return orig_apply(method, layer, x, layer.bias if with_bias else None)
         return F.linear(x, layer.qerl_dense_weight, layer.qerl_dense_bias if with_bias else None)
@@ -253,6 +306,13 @@ def install_patches() -> bool:
         wrapper = _STATE["lora"][index]
         base = wrapper.base_layer
         rows = x.numel() // x.shape[-1]
+        lora = _gemv_lora(wrapper) if rows <= _STATE["gemv_rows"] and x.dtype == base.params_dtype else None
+        if lora is not None:  # base + LoRA in one launch; rows whose token carries no adapter get none
+            from qerl_lib.kernels.nvfp4_gemv import nvfp4_gemv
+
+            packed, scale, gs, bias = base.qerl_gemv
+            a, b, slots = lora
+            return nvfp4_gemv(x, packed, scale, gs, bias if with_bias else None, a, b, 1.0, slots, 0)
         if rows <= _STATE["threshold"]:
             _Reentry.active = True
             try:  # vLLM's own LoRA layer: Marlin (through the op above) + LoRA kernels
@@ -268,7 +328,17 @@ def install_patches() -> bool:
 
     def process_weights_after_loading(self, layer):
         threshold = dense_above_from_env()
-        dense = bias = host = None
+        gemv_rows = gemv_rows_from_env()
+        dense = bias = host = gemv = None
+        if gemv_rows is not None and _is_nvfp4_a16(layer):
+            from qerl_lib.kernels.nvfp4_gemv import counters
+
+            widths = list(getattr(layer, "logical_widths", None) or [layer.weight_packed.shape[0]])
+            b = getattr(layer, "bias", None)
+            gemv = (layer.weight_packed.data.clone(), layer.weight_scale.data.clone(),
+                    partition_scales(layer.weight_global_scale.data, widths),
+                    None if b is None else b.detach().clone())  # compressed-tensors layout, before Marlin
+            counters(layer.weight_packed.device)  # allocated now, eagerly: CUDA-graph capture comes later
         if threshold is not None and _is_nvfp4_a16(layer):
             widths = list(getattr(layer, "logical_widths", None) or [layer.weight_packed.shape[0]])
             host = (_host_copy(layer.weight_packed.data), _host_copy(layer.weight_scale.data),
@@ -279,13 +349,15 @@ def install_patches() -> bool:
             b = getattr(layer, "bias", None)
             bias = None if b is None else b.detach().clone()  # Marlin permutes layer.bias in place
         orig_process(self, layer)
-        if dense is not None:
+        if dense is not None or gemv is not None:
             layer.qerl_dense_weight = dense
             layer.qerl_dense_bias = bias
             layer.qerl_host_packed = host
+            layer.qerl_gemv = gemv
             layer.qerl_hybrid_index = len(_STATE["layers"])
             _STATE["layers"].append((self, layer))
-            _STATE["threshold"] = threshold
+            _STATE["threshold"] = threshold if threshold is not None else sys.maxsize  # None: never dense
+            _STATE["gemv_rows"] = gemv_rows or 0
 
     def apply(self, layer, x, bias=None):
         index = getattr(layer, "qerl_hybrid_index", None)
@@ -345,7 +417,7 @@ def merge_adapter(model: torch.nn.Module, adapter_dir: str | None) -> dict:
     Every adapter module must land in a layer of the engine, else KeyError naming it.
     """
     t0 = time.perf_counter()
-    if not _STATE["lora"]:
+    if not _STATE["lora"] or all(w.base_layer.qerl_dense_weight is None for w in _STATE["lora"].values()):
         return {"layers": 0, "modules": 0, "seconds": 0.0}
     pairs, scaling = ({}, 1.0) if adapter_dir is None else adapter_deltas(adapter_dir)[:2]
     names = {id(m): n for n, m in model.named_modules()}
@@ -477,12 +549,17 @@ class AQNWorkerExtension:
             if kernel is not None:
                 name = type(kernel).__name__
                 kernels[name] = kernels.get(name, 0) + 1
+        layers = [layer for _, layer in _STATE["layers"]]
         dense_bytes = sum(layer.qerl_dense_weight.numel() * layer.qerl_dense_weight.element_size()
-                          for _, layer in _STATE["layers"])
-        host_bytes = sum(t.numel() * t.element_size() for _, layer in _STATE["layers"]
+                          for layer in layers if layer.qerl_dense_weight is not None)
+        host_bytes = sum(t.numel() * t.element_size() for layer in layers if layer.qerl_host_packed is not None
                          for t in layer.qerl_host_packed[:3])
+        gemv_bytes = sum(t.numel() * t.element_size() for layer in layers if layer.qerl_gemv is not None
+                         for t in layer.qerl_gemv[:3])
+        threshold = _STATE["threshold"]
         return {"kernels": kernels, "hybrid_layers": len(_STATE["layers"]), "merged_lora_layers": len(_STATE["lora"]),
-                "threshold": _STATE["threshold"], "dense_bytes": dense_bytes, "host_bytes": host_bytes,
+                "threshold": None if threshold == sys.maxsize else threshold, "dense_bytes": dense_bytes,
+                "host_bytes": host_bytes, "gemv_rows": _STATE["gemv_rows"], "gemv_bytes": gemv_bytes,
                 "merged_adapter": _STATE["adapter"],
                 "lora_dual_stream": os.environ.get("VLLM_LORA_ENABLE_DUAL_STREAM", "0") == "1"}
 
@@ -491,15 +568,30 @@ class AQNWorkerExtension:
         return merge_adapter(self._qerl_model(), adapter_dir)
 
     def qerl_check_hybrid(self, rows: int = 16) -> dict:
-        """Largest relative difference between Marlin and the dequantized base, over every hybrid layer."""
-        worst = 0.0
+        """Largest relative difference between Marlin (and the decode GEMM, when on) and the dequantized
+        base, over every hybrid layer."""
+        worst = worst_gemv = 0.0
         g = torch.Generator(device="cuda")
         g.manual_seed(0)
         for method, layer in _STATE["layers"]:
-            packed, scale, gs, widths = layer.qerl_host_packed
-            dense = dequantize_partitions(packed.cuda(), scale.cuda(), gs.cuda(), widths, layer.qerl_dense_weight.dtype)
+            if layer.qerl_host_packed is not None:
+                packed, scale, gs, widths = layer.qerl_host_packed
+                dense = dequantize_partitions(packed.cuda(), scale.cuda(), gs.cuda(), widths,
+                                              layer.qerl_dense_weight.dtype)
+            else:
+                from qerl_lib.nvfp4 import dequantize_nvfp4
+
+                packed, scale, gs_rows, _ = layer.qerl_gemv
+                dense = (dequantize_nvfp4(packed, scale, torch.ones(1, device=packed.device), torch.float32)
+                         / gs_rows[:, None]).to(getattr(layer, "params_dtype", torch.bfloat16))
             x = torch.randn(rows, dense.shape[1], device="cuda", dtype=dense.dtype, generator=g)
             a = _STATE["orig_apply"](method, layer, x, None).float()
             b = torch.nn.functional.linear(x, dense).float()
             worst = max(worst, float((a - b).norm() / b.norm().clamp_min(1e-12)))
-        return {"layers": len(_STATE["layers"]), "max_rel_diff": worst}
+            if layer.qerl_gemv is not None:
+                from qerl_lib.kernels.nvfp4_gemv import nvfp4_gemv
+
+                c = nvfp4_gemv(x[: min(rows, 64)], *layer.qerl_gemv[:3]).float()
+                ref = b[: c.shape[0]]
+                worst_gemv = max(worst_gemv, float((c - ref).norm() / ref.norm().clamp_min(1e-12)))
+        return {"layers": len(_STATE["layers"]), "max_rel_diff": worst, "max_rel_diff_gemv": worst_gemv}
