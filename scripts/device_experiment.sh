@@ -226,6 +226,8 @@ EOF
 #   3-10 carry .device/qwen05/pN               bash scripts/device_experiment.sh qwen05
 #        (the last piece joins and checks the GGUF; then `qwen-convert` converts it once to BF16 and NVFP4)
 #   11, 12 (no carry)                          bash scripts/device_experiment.sh qwen-arms
+#        (runs the arm:seed:base-eval list QWEN_RUNS, QWEN_PARALLEL (4) at a time with OMP_NUM_THREADS=3,
+#        until ARMS_DEADLINE (epoch s) or ARMS_TIMEOUT (500 s) after its start; the next call resumes them)
 # Calls 11-12 (and qwen-convert) may run from a frozen copy of the code: `snap` here writes .device/snap.tgz
 # (qerl_lib, flows, tasks, scripts, experiments/qwen05_gsm8k); carry it with call 1, and `keep-w` unpacks it
 # into /tmp/qerl-exp/src, so edits made here meanwhile cannot change a run between its two calls.
@@ -286,7 +288,16 @@ qwen_arms() {
   local r arm seed base quant ws t0=$SECONDS pids=() n=0 logs=$EXP/logs
   mkdir -p "$OUT" $logs
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+  # Measured (docs/results_qwen05_gsm8k.md): 11 runs at once with torch's default 16 threads each
+  # loaded the 16 cores to 60-97 and made 2-3 steps in 400 s; 4 runs at 3 threads took 6-8 s a step.
+  # So: at most QWEN_PARALLEL runs at a time (a finished one makes room for the next), 3 threads each,
+  # every run stopped at the call's deadline (resumable by the next call).
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-3}
+  local deadline=${ARMS_DEADLINE:-$(($(date +%s) + ${ARMS_TIMEOUT:-500}))}
   for r in $QWEN_RUNS; do
+    while [ "$(jobs -rp | wc -l)" -ge "${QWEN_PARALLEL:-4}" ]; do wait -n; done
+    local limit=$((deadline - $(date +%s)))
+    [ "$limit" -gt 90 ] || { echo "no time left for $r: next call"; break; }
     IFS=: read -r arm seed base <<<"$r"
     quant=$(sed -n 's/^model: {base: [^,]*, quant: \([a-z0-9]*\)}.*/\1/p' "$(qwen_cfg "$arm")")
     ws=$EXP/runs/$arm/seed$seed
@@ -294,8 +305,6 @@ qwen_arms() {
       mkdir -p "$ws/models" && cp -al $EXP/tmpl/$quant/models/base "$ws/models/base" \
         && cp -al $EXP/tmpl/$quant/models/$quant "$ws/models/$quant" || return 8
     fi
-    local limit=${ARMS_TIMEOUT:-500}
-    [ -n "${ARMS_DEADLINE:-}" ] && limit=$((ARMS_DEADLINE - $(date +%s)))  # an epoch second, for a call that converts first
     ( timeout -k 15 "$limit" python3 -m qerl_lib run -c "$(qwen_cfg "$arm")" -s data.source=$EXP/gsm8k \
         -s run.seed="$seed" -s aqn.seed=$((1234 + seed)) -s eval.base="$base" --root "$ws" >> "$logs/$arm.seed$seed.log" 2>&1
       echo "run $arm seed $seed: rc=$? after $((SECONDS - t0)) s" | tee -a "$logs/$arm.seed$seed.log" ) &
