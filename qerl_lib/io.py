@@ -40,6 +40,18 @@ def _no_space(exc: BaseException, dest: Path) -> OSError | None:
     return OSError(errno.ENOSPC, f"no space left on device writing {dest}")
 
 
+@contextlib.contextmanager
+def _disk_full_named(dest: Path) -> Iterator[None]:
+    """Re-raise a write failure that means a full disk as one ENOSPC error naming `dest` (`_no_space`)."""
+    try:
+        yield
+    except Exception as e:
+        full = _no_space(e, dest)
+        if full is not None:
+            raise full from e
+        raise
+
+
 def _prefix(dest: Path) -> str:
     return f".{dest.name}.{os.getpid()}-"
 
@@ -108,13 +120,8 @@ def atomic_path(dest: str | Path, suffix: str = "") -> Iterator[Path]:
     os.close(fd)
     tmp_path = Path(tmp)
     try:
-        try:
+        with _disk_full_named(dest):
             yield tmp_path
-        except Exception as e:
-            full = _no_space(e, dest)
-            if full is not None:
-                raise full from e
-            raise
         os.replace(tmp_path, dest)
         _fsync_dir(dest.parent)
     finally:
@@ -139,13 +146,8 @@ def atomic_dir(dest: str | Path) -> Iterator[Path]:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=_prefix(dest), suffix=".tmp", dir=dest.parent))
     try:
-        try:
+        with _disk_full_named(dest):
             yield tmp
-        except Exception as e:
-            full = _no_space(e, dest)
-            if full is not None:
-                raise full from e
-            raise
         old = None
         if dest.exists():
             old = dest.with_name(f".{dest.name}.old")

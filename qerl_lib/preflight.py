@@ -88,14 +88,13 @@ def check_prompt_lengths(cfg: QerlConfig, layout: Layout, split: str, max_new_to
     if limit is None:
         return
     from qerl_lib.model import load_tokenizer
-    from qerl_lib.rewards import format_prompt, row_style
+    from qerl_lib.rewards import format_row
 
     tok = load_tokenizer(checkpoint)
     rows = load_prepared(path)[:max_rows]
     too_long = []
     for i, row in enumerate(rows):
-        text = format_prompt(tok, row["question"], row["grader"], cfg.model.chat_template,
-                             style=row_style(cfg.data.prompt, row["grader"], row.get("level") is not None))
+        text = format_row(tok, row, cfg.data.prompt, cfg.model.chat_template)
         # A token spans at least one byte of text (byte-level BPE, SentencePiece with byte
         # fallback; 8 spare for a tokenizer's added prefix): a prompt short in bytes fits without
         # being tokenized, so a large data set costs only its few long prompts.

@@ -142,6 +142,13 @@ def row_style(prompt: str, grader: str, synthetic: bool) -> PromptStyle:
     return NUMERIC_STYLE if synthetic else STEPWISE_STYLE
 
 
+def format_row(tokenizer, row: dict, prompt: str, chat_template: bool = True) -> str:
+    """The prompt text of one prepared row (`question`, `grader`, `level`) under `data.prompt`
+    (`row_style`): what the rollout and eval stages feed the model and the preflight measures."""
+    style = row_style(prompt, row["grader"], row.get("level") is not None)
+    return format_prompt(tokenizer, row["question"], row["grader"], chat_template, style=style)
+
+
 def _fill(template: str, question: str) -> str:
     # str.format would choke on the braces of `\boxed{}` inside questions; only the
     # `{question}` slot and the escaped `{{` / `}}` pairs are template syntax.

@@ -8,7 +8,7 @@ earlier one's files. Writes, beside this file:
 
 - `results/runs/ARM/seedS/`: the files that the figures come from (steps.csv, eval.csv, metrics.json,
   stage_times.jsonl, config.yaml, vllm_engine.json, convert_report.json, eval/step=K/metrics.json, and
-  24 rows of each evaluation's samples);
+  24 rows of each evaluation's samples); each JSON object gains `command`, the run's command line;
 - `results/summary.json`: one row per (arm, seed) with `arm`, `seed`, `steps` (RL steps done),
   `greedy_acc`, `pass1` (pass@1 over k samples), their standard errors, `n_test`, wall-clock; the base
   rows (`arm: "base"` for BF16, `arm: "base_nvfp4"` for the NVFP4 base) from the step-0 evaluations;
@@ -49,21 +49,45 @@ def _num(v: str):
     return int(x) if x.is_integer() and "." not in v and "e" not in v.lower() else x
 
 
+def run_command(ws: Path) -> str:
+    """The command that made workspace `ws`'s files (its own `config.yaml` says seed and base eval)."""
+    import yaml
+
+    arm, seed = ws.parent.name, int(ws.name[4:])
+    cfg = yaml.safe_load((ws / "config.yaml").read_text()) if (ws / "config.yaml").is_file() else {}
+    base = str(cfg.get("eval", {}).get("base", True)).lower()
+    return (f"python -m qerl_lib run -c experiments/qwen05_gsm8k/{arm}.yaml -s data.source=<gsm8k dir> "
+            f"-s run.seed={seed} -s aqn.seed={1234 + seed} -s eval.base={base} --root <workspace> "
+            "(through `scripts/device_experiment.sh qwen-arms`; calls in docs/results_qwen05_gsm8k.md)")
+
+
+def _copy(src: Path, dest: Path, command: str) -> None:
+    """Copy `src` to `dest`; a JSON object also gets the `command` that produced it."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if src.suffix == ".json":
+        obj = json.loads(src.read_text())
+        if isinstance(obj, dict):
+            dest.write_text(json.dumps({**obj, "command": command}, indent=2, sort_keys=True) + "\n")
+            return
+    shutil.copy2(src, dest)
+
+
 def collect(archives: list[Path], out: Path) -> None:
     """Copy the result files of every run in `archives` (later ones win) into `out/runs`."""
     for arc in archives:
         for ws in sorted(arc.glob("runs/*/seed*")):
             dest = out / "runs" / ws.parent.name / ws.name
+            command = run_command(ws)
             for rel in KEEP:
                 if (ws / rel).is_file():
-                    (dest / Path(rel).name).parent.mkdir(parents=True, exist_ok=True)
-                    shutil.copy2(ws / rel, dest / Path(rel).name)
+                    _copy(ws / rel, dest / Path(rel).name, command)
             for p in ws.glob("models/*/convert_report.json"):
-                dest.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(p, dest / "convert_report.json")
+                _copy(p, dest / "convert_report.json",
+                      f"python -m qerl_lib stage convert -c experiments/qwen05_gsm8k/{p.parent.name}.yaml "
+                      "-s data.source=<gsm8k dir> --root <template workspace> (`scripts/device_experiment.sh "
+                      "qwen-convert`, once per quantization; hard-linked into each run's workspace)")
             for p in ws.glob("eval/step=*/metrics.json"):
-                (dest / "eval" / p.parent.name).mkdir(parents=True, exist_ok=True)
-                shutil.copy2(p, dest / "eval" / p.parent.name / "metrics.json")
+                _copy(p, dest / "eval" / p.parent.name / "metrics.json", command)
             for p in ws.glob("samples/*.parquet"):
                 (dest / "samples").mkdir(parents=True, exist_ok=True)
                 shutil.copy2(p, dest / "samples" / p.name)
@@ -123,7 +147,10 @@ def summarize(out: Path) -> dict:
             agg[key] = statistics.fmean(vals)
             agg[f"{key}_std"] = statistics.stdev(vals) if len(vals) > 1 else None
         per_arm[arm] = agg
-    return {"base": base, "rows": base + rows, "per_arm": per_arm, "incomplete": incomplete}
+    return {"base": base, "rows": base + rows, "per_arm": per_arm, "incomplete": incomplete,
+            "command": "python experiments/qwen05_gsm8k/summarize.py --archive <unpacked qwen_arms_call11.tgz> "
+                       "--archive <...call12.tgz> --archive <...call13.tgz>",
+            "runs_made_by": "results/runs/*/seed*/*.json: their `command`"}
 
 
 def plot(out: Path, arms: list[str]) -> None:

@@ -33,7 +33,7 @@ def standard_error(correct: np.ndarray, prompt_ids: list[str]) -> float:
 def eval_stage(cfg: QerlConfig, layout: Layout, step: int, policy=None) -> dict:
     """pass@1 over k samples (eval.temperature, eval.top_p) and greedy accuracy of adapter `step`."""
     from qerl_lib.data import load_prepared
-    from qerl_lib.rewards import format_prompt, row_style
+    from qerl_lib.rewards import format_row
     from qerl_lib.rollout.sampling import SamplingParams
     from qerl_lib.schema import to_table, write_provenance, write_rollouts
     from qerl_lib.scoring import score_rows
@@ -54,8 +54,7 @@ def eval_stage(cfg: QerlConfig, layout: Layout, step: int, policy=None) -> dict:
     for name, params, k in runs:
         texts, ids, seeds, meta = [], [], [], []
         for p in prompts:
-            text = format_prompt(tok, p["question"], p["grader"], cfg.model.chat_template,
-                                 style=row_style(cfg.data.prompt, p["grader"], p.get("level") is not None))
+            text = format_row(tok, p, cfg.data.prompt, cfg.model.chat_template)
             pids = tok(text, add_special_tokens=False)["input_ids"]
             for s in range(k):
                 texts.append(text)

@@ -41,7 +41,7 @@ def select_prompts(prompt_ids: list[str], step: int, per_step: int, seed: int) -
 def rollout_stage(cfg: QerlConfig, layout: Layout, step: int, policy=None) -> Path:
     from qerl_lib.aqn import sigma_at
     from qerl_lib.data import load_prepared
-    from qerl_lib.rewards import format_prompt, row_style
+    from qerl_lib.rewards import format_row
     from qerl_lib.rollout.sampling import SamplingParams
     from qerl_lib.schema import to_table, write_provenance, write_rollouts
 
@@ -63,8 +63,7 @@ def rollout_stage(cfg: QerlConfig, layout: Layout, step: int, policy=None) -> Pa
     tok = pol.tokenizer
     texts, ids, seeds, meta = [], [], [], []
     for p in picked:
-        text = format_prompt(tok, p["question"], p["grader"], cfg.model.chat_template,
-                             style=row_style(cfg.data.prompt, p["grader"], p.get("level") is not None))
+        text = format_row(tok, p, cfg.data.prompt, cfg.model.chat_template)
         pids = tok(text, add_special_tokens=False)["input_ids"]
         for g in range(rc.group_size):
             texts.append(text)
