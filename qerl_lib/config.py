@@ -80,8 +80,9 @@ class ModelConfig(_Section):
     quant: Literal["nvfp4", "bf16", "nf4"] = "nvfp4"
     """Base weight format: `nvfp4` (NVFP4A16 via llm-compressor, packed 4-bit in training),
     `bf16` (16-bit LoRA baseline) or `nf4` (QLoRA's baseline: the 16-bit checkpoint quantized
-    to bitsandbytes NF4 with double quantization when loaded; needs the `nf4` extra, and the
-    transformers rollout backend)."""
+    to bitsandbytes NF4 with double quantization when loaded; needs the `nf4` extra. The vLLM
+    backend quantizes the same checkpoint the same way as it loads it (`quantization=bitsandbytes`:
+    NF4, block 64, double quantization), so rollouts see the trainer's weights)."""
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype of activations and dequantized weights; `auto` is float32 on CPU (these CPUs
     have no fast bf16) and bfloat16 on CUDA."""
@@ -397,9 +398,6 @@ class QerlConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> "QerlConfig":
-        if self.rollout.backend == "vllm" and self.model.quant == "nf4":
-            raise ValueError("model.quant=nf4 runs with rollout.backend=transformers only (the vLLM engine "
-                             "serves the NVFP4 and BF16 checkpoints)")
         if self.rollout.backend == "vllm" and self.lora.r > self.rollout.vllm_max_lora_rank:
             raise ValueError(
                 f"lora.r={self.lora.r} exceeds rollout.vllm_max_lora_rank={self.rollout.vllm_max_lora_rank}"

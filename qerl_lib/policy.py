@@ -168,7 +168,7 @@ crossover measured on the H200 for the 7B shape (Marlin faster up to 48 rows, sl
 
 def _engine_key(cfg: QerlConfig, checkpoint: Path) -> tuple:
     rc = cfg.rollout
-    return (str(Path(checkpoint).resolve()), rc.vllm_max_lora_rank, rc.vllm_gpu_memory_utilization,
+    return (str(Path(checkpoint).resolve()), cfg.model.quant, rc.vllm_max_lora_rank, rc.vllm_gpu_memory_utilization,
             rc.vllm_enforce_eager, cfg.run.seed, rc.vllm_dense_above, rc.vllm_lora_dual_stream, rc.vllm_gemv_rows,
             rc.vllm_kv_cache_gib, rc.vllm_max_model_len,
             cfg.parallel.rollout_tensor_parallel, cfg.parallel.rollout_replicas)
@@ -194,7 +194,7 @@ def dense_above_for(cfg: QerlConfig, checkpoint: Path) -> int | None:
 
 def get_engine(cfg: QerlConfig, checkpoint: Path):
     """The `VLLMEngine` of this process for `checkpoint` and the rollout config (one at a time)."""
-    from qerl_lib.rollout.vllm_engine import VLLMEngine
+    from qerl_lib.rollout.vllm_engine import VLLMEngine, vllm_quantization
 
     key = _engine_key(cfg, checkpoint)
     if key not in _ENGINES:
@@ -214,7 +214,7 @@ def get_engine(cfg: QerlConfig, checkpoint: Path):
                       dense_above=dense_above_for(cfg, checkpoint), lora_dual_stream=rc.vllm_lora_dual_stream,
                       gemv_rows=rc.vllm_gemv_rows or None,
                       tensor_parallel_size=tp, max_model_len=rc.vllm_max_model_len,
-                      engine_kwargs=vllm_memory_kwargs(rc))
+                      quantization=vllm_quantization(cfg.model.quant), engine_kwargs=vllm_memory_kwargs(rc))
         if reps > 1:
             from qerl_lib.rollout.replicas import ReplicaPool, vllm_replica
 

@@ -245,6 +245,14 @@ pack_w() {
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d $w/wheels \
     llmcompressor==0.14.0.1 compressed-tensors==0.19.0 gguf==0.19.0 datasets==5.2.0 dill==0.4.1 pydot==4.0.1 \
     multiprocess==0.70.19 || return 1
+  # bitsandbytes for the nf4 arm, cut to the device's build (torch cu130: libbitsandbytes_cuda130.so and the
+  # CPU library): the whole wheel is 43 MB, these two 4 MB. pip installs the trimmed wheel as it is.
+  local bnb=bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl t dest=$PWD/$w/wheels
+  t=$(mktemp -d) && "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_24_x86_64 -d "$t" bitsandbytes==0.50.2 \
+    && (cd "$t" && mkdir x && cd x && unzip -q ../$bnb && find bitsandbytes -name 'libbitsandbytes_*.so' \
+        ! -name '*_cpu.so' ! -name '*_cuda130.so' -delete && zip -qr "$dest/$bnb" .) || return 1
+  rm -rf "$t"
   cp "${GSM8K_DIR:?set GSM8K_DIR to a folder holding GSM8K train.jsonl and test.jsonl}"/{train,test}.jsonl $w/
   du -sb $w
 }
@@ -273,16 +281,19 @@ qwen_convert() {  # once: GGUF -> models/base (BF16 HF) -> models/bf16 and model
   if [ ! -f $t/bf16/models/bf16/convert_report.json ]; then
     python3 -m qerl_lib stage convert -c "$(qwen_cfg bf16)" -s data.source=$EXP/gsm8k --root $t/bf16 || return 7
   fi
-  if [ ! -f $t/nvfp4/models/nvfp4/convert_report.json ]; then
-    mkdir -p $t/nvfp4/models && rm -rf $t/nvfp4/models/base && cp -al $t/bf16/models/base $t/nvfp4/models/base
-    python3 -m qerl_lib stage convert -c "$(qwen_cfg nvfp4)" -s data.source=$EXP/gsm8k --root $t/nvfp4 || return 7
-  fi
+  local q
+  for q in nvfp4 nf4; do  # nf4's "conversion" is a copy of the 16-bit checkpoint (vLLM quantizes it as it loads)
+    if [ ! -f $t/$q/models/$q/convert_report.json ]; then
+      mkdir -p $t/$q/models && rm -rf $t/$q/models/base && cp -al $t/bf16/models/base $t/$q/models/base
+      python3 -m qerl_lib stage convert -c "$(qwen_cfg $q)" -s data.source=$EXP/gsm8k --root $t/$q || return 7
+    fi
+  done
   echo "qwen convert: done in $((SECONDS - t0)) s"; du -sh $t/*/models/*
 }
 
 qwen_arms() {
   [ -f /tmp/vllm-site/.complete ] || { echo "vLLM is not installed in /tmp/vllm-site" >&2; return 2; }
-  [ -f $EXP/tmpl/nvfp4/models/nvfp4/convert_report.json ] || qwen_convert || return $?
+  [ -f $EXP/tmpl/nf4/models/nf4/convert_report.json ] || qwen_convert || return $?
   exp_env
   export PYTHONPATH=/tmp/vllm-site:$EXP/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
   local r arm seed base quant ws t0=$SECONDS pids=() n=0 logs=$EXP/logs
@@ -353,8 +364,27 @@ EOF
   ls -la "$OUT"
 }
 
+qwen_start() {  # qwen-arms in its own process session: it outlives this call (until the machine goes back)
+  mkdir -p $EXP/logs
+  OUT=$EXP/bg-out setsid nohup bash scripts/device_experiment.sh qwen-arms > $EXP/logs/arms.out 2>&1 < /dev/null &
+  echo $! > $EXP/arms.pid
+  echo "qwen arms started in the background (pid $(cat $EXP/arms.pid)); log $EXP/logs/arms.out"
+}
+
+qwen_wait() {  # until the background arms end or WAIT_UNTIL (epoch s); then the archive of every run to $OUT
+  local pid
+  pid=$(cat $EXP/arms.pid 2>/dev/null)
+  while [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && [ "$(date +%s)" -lt "${WAIT_UNTIL:-0}" ]; do sleep 15; done
+  tail -n "${WAIT_TAIL:-40}" $EXP/logs/arms.out
+  grep -h "rc=" $EXP/logs/*.seed*.log 2>/dev/null | tail -n 20
+  kill -0 "$pid" 2>/dev/null && echo "arms still running" || echo "arms finished"
+  mkdir -p "$OUT" && qwen_collect
+}
+
 case "$cmd" in
   pack-w) pack_w ;;
+  qwen-start) qwen_start ;;
+  qwen-wait) qwen_wait ;;
   snap) snap ;;
   keep-w) keep_w ;;
   qwen-convert) qwen_convert ;;

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from qerl_lib.config import ConfigError, load_config
+from qerl_lib.config import load_config
 from qerl_lib.paths import Layout
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -61,6 +61,32 @@ def test_two_step_run_trains_the_adapter_on_an_nf4_base(tiny_llama_dir, tmp_path
     assert m1["sigma"] == pytest.approx(cfg.aqn.sigma_start) and m1["optimizer_steps"] >= 1
 
 
-def test_nf4_with_the_vllm_backend_is_refused():
-    with pytest.raises((ConfigError, ValueError), match="nf4"):
-        load_config(None, {"model": {"quant": "nf4"}, "rollout": {"backend": "vllm"}})
+def test_vllm_in_flight_nf4_holds_the_trainers_weights(tiny_llama_dir):
+    """The vLLM backend quantizes the 16-bit checkpoint as it loads it (`quantize_4bit`, NF4,
+    `compress_statistics=True`, vLLM's bitsandbytes loader); the trainer's transformers NF4 base
+    must dequantize to the same weights, or rollouts would sample another policy."""
+    from safetensors.torch import load_file
+
+    from qerl_lib.model import load_base
+
+    nf4 = load_base(tiny_llama_dir, "nf4", torch.float32, torch.device("cpu"))
+    (st,) = sorted(tiny_llama_dir.glob("*.safetensors"))
+    dense = load_file(str(st))
+    for name in ("self_attn.q_proj", "mlp.down_proj"):
+        lin = nf4.model.layers[0].get_submodule(name)
+        # vLLM quantizes the checkpoint tensor in the engine's dtype; the trainer's copy here is float32
+        w16 = dense[f"model.layers.0.{name}.weight"].to(torch.float32)
+        packed, state = bnb.functional.quantize_4bit(w16.contiguous(), compress_statistics=True, quant_type="nf4")
+        assert torch.equal(packed.flatten(), lin.weight.data.flatten()), name
+        vllm_w = bnb.functional.dequantize_4bit(packed, state)
+        trainer_w = bnb.functional.dequantize_4bit(lin.weight.data, lin.weight.quant_state)
+        assert torch.equal(vllm_w, trainer_w), name
+
+
+def test_nf4_with_the_vllm_backend_quantizes_in_flight():
+    """nf4 + vLLM is a valid config; both doors ask vLLM for bitsandbytes quantization."""
+    from qerl_lib.rollout.vllm_engine import vllm_quantization
+
+    cfg = load_config(None, {"model": {"quant": "nf4"}, "rollout": {"backend": "vllm"}})
+    assert vllm_quantization(cfg.model.quant) == "bitsandbytes"
+    assert vllm_quantization("nvfp4") is None and vllm_quantization("bf16") is None

@@ -241,7 +241,7 @@ def test_qwen05_gsm8k_arms_differ_only_in_the_arm_knobs():
     assert ref[("eval", "max_prompts")] is None and ref[("data", "max_test")] is None
     assert (ref[("eval", "k")], ref[("eval", "temperature")], ref[("eval", "greedy")]) == (4, 0.6, True)
     want = {"bf16": ("bf16", False, "absolute", "vllm"), "nvfp4": ("nvfp4", False, "absolute", "vllm"),
-            "nvfp4_aqn": ("nvfp4", True, "absolute", "vllm"), "nf4": ("nf4", False, "absolute", "transformers"),
+            "nvfp4_aqn": ("nvfp4", True, "absolute", "vllm"), "nf4": ("nf4", False, "absolute", "vllm"),
             "bf16_aqn": ("bf16", True, "absolute", "vllm"), "nvfp4_aqn_rel": ("nvfp4", True, "relative", "vllm")}
     assert sorted(p.stem for p in exp.glob("*.yaml")) == sorted(want)
     for arm, (quant, aqn, mode, backend) in want.items():

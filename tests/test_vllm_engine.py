@@ -461,3 +461,31 @@ def test_kv_cache_size_and_max_model_len_reach_vllm_in_process_and_served(tmp_pa
     argv, _ = vllm_command(cfg, tmp_path, "127.0.0.1", 8000)
     assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(int(2.5 * 2**30))
     assert argv[argv.index("--max-model-len") + 1] == "1024"
+
+
+def test_nf4_reaches_vllm_as_bitsandbytes_in_process_and_served(tmp_path, monkeypatch):
+    """model.quant=nf4 with the vLLM backend: the in-process engine and `vllm serve` both get
+    bitsandbytes in-flight quantization; other formats get none."""
+    import qerl_lib.rollout.vllm_engine as ve
+    from qerl_lib import policy as policy_mod
+    from qerl_lib.config import QerlConfig
+    from qerl_lib.rollout.serve import vllm_command
+
+    (tmp_path / "config.json").write_text('{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}')
+    seen = []
+
+    class Engine:
+        def __init__(self, checkpoint, **kwargs):
+            seen.append(kwargs)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(ve, "VLLMEngine", Engine)
+    for quant, want in (("nf4", "bitsandbytes"), ("bf16", None)):
+        cfg = QerlConfig.model_validate({"model": {"quant": quant}, "rollout": {"backend": "vllm"}})
+        policy_mod.get_engine(cfg, tmp_path)
+        assert seen[-1]["quantization"] == want
+        argv, _ = vllm_command(cfg, tmp_path, "127.0.0.1", 8000)
+        assert (argv[argv.index("--quantization") + 1] if "--quantization" in argv else None) == want
+    policy_mod.close_engines()

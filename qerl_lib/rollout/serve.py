@@ -58,7 +58,7 @@ def vllm_command(cfg, checkpoint: Path, host: str, port: int) -> tuple[list[str]
     """argv and extra environment of stock `vllm serve` for this config (module doc)."""
     from qerl_lib.env import child_env
     from qerl_lib.policy import dense_above_for
-    from qerl_lib.rollout.vllm_engine import EXTENSION, LOGPROBS_MODE
+    from qerl_lib.rollout.vllm_engine import EXTENSION, LOGPROBS_MODE, vllm_quantization
     from qerl_lib.rollout.vllm_worker import DENSE_ABOVE_ENV, GEMV_ROWS_ENV
 
     rc = cfg.rollout
@@ -76,6 +76,8 @@ def vllm_command(cfg, checkpoint: Path, host: str, port: int) -> tuple[list[str]
         argv += ["--kv-cache-memory-bytes", str(int(rc.vllm_kv_cache_gib * 2**30))]
     if rc.vllm_max_model_len is not None:
         argv += ["--max-model-len", str(rc.vllm_max_model_len)]
+    if vllm_quantization(cfg.model.quant):
+        argv += ["--quantization", vllm_quantization(cfg.model.quant)]
     extra = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
              "VLLM_USE_FLASHINFER_SAMPLER": os.environ.get("VLLM_USE_FLASHINFER_SAMPLER", "0"),
              "VLLM_WORKER_MULTIPROC_METHOD": "spawn", "VLLM_CONFIGURE_LOGGING": "1"}

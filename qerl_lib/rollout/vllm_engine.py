@@ -9,7 +9,11 @@ inside vLLM's worker lives in `qerl_lib.rollout.vllm_worker`.
 What the engine does, and why:
 
 - **Checkpoint.** The compressed-tensors NVFP4A16 checkpoint of the convert stage (vLLM picks
-  `MarlinNvFp4LinearKernel` on Hopper by itself; no flags) or the BF16 base, loaded as is.
+  `MarlinNvFp4LinearKernel` on Hopper by itself; no flags) or the BF16 base, loaded as is. For
+  `model.quant=nf4` the engine loads the 16-bit copy with `quantization="bitsandbytes"`: vLLM's
+  loader quantizes each checkpoint weight as it reads it with `bitsandbytes.functional.quantize_4bit`
+  (NF4, block 64, `compress_statistics=True`), which is what transformers' `BitsAndBytesConfig`
+  (`nf4`, double quant) does to the trainer's copy, so both hold the same 4-bit weights.
 
 - **Adapters, explicitly versioned.** `set_policy(adapter_dir, version)` removes the previous
   `LoRARequest` by id (`llm_engine.remove_lora`) and then adds a new one whose integer id is
@@ -86,6 +90,12 @@ VALID_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 
 
 # ============================================================================ pure helpers
+
+
+def vllm_quantization(quant: str) -> str | None:
+    """vLLM's `quantization` argument for `model.quant`: `bitsandbytes` (in-flight NF4) for `nf4`,
+    None otherwise (an NVFP4 checkpoint says what it is in its config.json; BF16 is plain)."""
+    return "bitsandbytes" if quant == "nf4" else None
 
 
 def vllm_sampling_kwargs(params: SamplingParams, seed: int, stop_token_ids: Iterable[int]) -> dict[str, Any]:
@@ -199,7 +209,8 @@ class VLLMEngine:
     CUDA stream (`VLLM_LORA_ENABLE_DUAL_STREAM`). `gemv_rows`: sequences per decode step up to which
     NVFP4 linears run `qerl_lib.kernels.nvfp4_gemv` (None/0: never). `tensor_parallel_size`: GPUs the engine spans
     (vLLM's own tensor parallelism over NCCL, NVLink multicast off); every worker then holds the
-    same norms, so AQN and trained norms are written by each.
+    same norms, so AQN and trained norms are written by each. `quantization`: vLLM's in-flight
+    quantization of a 16-bit checkpoint (`vllm_quantization`: `bitsandbytes` for NF4), or None.
     `engine_kwargs` go to `vllm.LLM` unchanged (e.g. `compilation_config`, `max_num_seqs`).
     """
 
@@ -217,6 +228,7 @@ class VLLMEngine:
         lora_dual_stream: bool = False,
         gemv_rows: int | None = None,
         tensor_parallel_size: int = 1,
+        quantization: str | None = None,
         sleep_mode: bool = True,
         engine_kwargs: dict | None = None,
         llm=None,
@@ -278,6 +290,8 @@ class VLLMEngine:
                 kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1, max_cpu_loras=1)
             if max_model_len is not None:
                 kwargs["max_model_len"] = max_model_len
+            if quantization is not None:
+                kwargs["quantization"] = quantization
             kwargs.update(engine_kwargs or {})
             llm = LLM(**kwargs)
         self.llm = llm
