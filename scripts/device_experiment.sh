@@ -339,7 +339,7 @@ qwen_arms() {
   wait "${pids[@]}"
   kill $mon 2>/dev/null
   # A run killed at the time limit can leave its engine process; the next call needs the GPU memory back.
-  pkill -9 -f 'VLLM::EngineCore' 2>/dev/null; pkill -9 -f 'qerl_lib run' 2>/dev/null
+  pkill -9 -f 'VLLM::EngineCore' 2>/dev/null; pkill -9 -f '^python3 -m qerl_lib run' 2>/dev/null  # not the pattern alone: it matches any shell that names it
   echo "qwen arms: $n runs, $((SECONDS - t0)) s"
   qwen_collect
 }

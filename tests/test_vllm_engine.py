@@ -489,3 +489,26 @@ def test_nf4_reaches_vllm_as_bitsandbytes_in_process_and_served(tmp_path, monkey
         argv, _ = vllm_command(cfg, tmp_path, "127.0.0.1", 8000)
         assert (argv[argv.index("--quantization") + 1] if "--quantization" in argv else None) == want
     policy_mod.close_engines()
+
+
+def test_a_sleep_check_tripped_by_another_process_leaves_the_engine_asleep(fake_engine):
+    """vLLM asserts, after offloading, that the device's free memory grew; another process on the GPU
+    can trip that. The engine is asleep then, so it counts the race and goes on; other errors raise."""
+    engine, llm = fake_engine
+
+    def racy_sleep(level=1):
+        llm.sleeping = True
+        raise Exception("Call to sleep method failed: Memory usage increased after sleeping.")
+
+    llm.sleep = racy_sleep
+    engine.sleep()
+    assert engine.asleep and engine.stats_dict()["sleep_races"] == 1
+    engine.wake_up()
+
+    def broken_sleep(level=1):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    llm.sleep = broken_sleep
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        engine.sleep()
+    assert not engine.asleep
