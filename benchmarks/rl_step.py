@@ -21,8 +21,9 @@ after one small untimed warm-up step (`--warmup-prompts` x G rows), `--steps` ti
   one, never all) end with the right N, so every row trains: the most update work a step can have;
 - update: the optimizer rebuilt from the saved state, `trainer.train_on_rollouts` under `aqn.noised` as
   `update@i` runs it: the project's DAPO defaults (KL-metric pass with the adapter off, chunked log-prob
-  head, non-reentrant gradient checkpointing, `--micro-batch` rows per micro-batch padded as the trainer
-  pads them, clipping, one optimizer step). NVFP4 linears take the layer's CUDA backend (Triton,
+  head, non-reentrant gradient checkpointing, `--micro-batch` rows per micro-batch, grouped by length as
+  the trainer groups them (`optim.sort_micro_batches`; `--micro-batch-order rollout` for the earlier
+  rollout-order slices), clipping, one optimizer step). NVFP4 linears take the layer's CUDA backend (Triton,
   `docs/kernels.md`), BF16 ones plain bf16 `nn.Linear`.
 Not timed (reported apart where measured): imports, the random model, the NVFP4 checkpoint (written
 from the trainer's own packed weights), the engine start, the warm-up; not done: the stage files
@@ -45,13 +46,15 @@ that only an exit frees for certain, and a fresh process gives a clean baseline.
 the NVFP4 child and engine.
 
 Run time (estimated from the project's measurements, not run yet): per child about 20 s of imports,
-60-120 s of engine start, 10 s of warm-up; a 7B step is 85-110 s: rollout 10-20 s (183k completion
-tokens), update 70-90 s (the trainer pads each micro-batch, here one group, to its longest row: 500k
-positions for 314k real ones, at about 7k positions/s with the KL-metric pass). BF16 runs first, then
-NVFP4, then NVFP4 + AQN. A child's first timed step always runs; each later one (the AQN arm's too)
-only if 1.2x the previous step + 20 s fits in the child's share of the time left before `--deadline-s`
-(510 s: BF16 gets half, NVFP4 the rest); children are killed 30 s after the deadline. At the 7B
-defaults expect 8-8.5 min, with the AQN step cut (`skipped`); run it in a second call and combine:
+60-120 s of engine start, 10 s of warm-up; a 7B step is 60-85 s (85-110 s in rollout order): rollout 10-20 s
+(183k completion tokens), update 70-90 s in rollout order (each micro-batch, here one group, padded to its
+longest row: 500k positions for 314k real ones, at about 7k positions/s with the KL-metric pass), 45-60 s
+grouped by length (317k positions; each step records `update_positions`, `update_padded_positions` and the
+rollout-order count `update_padded_positions_rollout_order`). BF16 runs first, then NVFP4, then NVFP4 +
+AQN. A child's first timed step always runs; each later one (the AQN arm's too) only if 1.2x the previous
+step + 20 s fits in the child's share of the time left before `--deadline-s` (510 s: BF16 gets half, NVFP4
+the rest); children are killed 30 s after the deadline. At the 7B defaults expect 8-8.5 min; when the AQN
+step is cut (`skipped`), run it in a second call and combine:
     python benchmarks/rl_step.py --arms nvfp4-aqn --out $OUT/rl_step_aqn.json          (about 5 min)
     python benchmarks/rl_step.py --merge rl_step.json rl_step_aqn.json --out rl_step.json
 """
@@ -112,14 +115,25 @@ def kv_cache_gib(lengths: list[int], prompt: int, shape: dict, block: int = 16, 
     return math.ceil(tokens * per_token * headroom / GIB * 100) / 100
 
 
-def padded_tokens(rows: list[dict], micro_batch: int) -> int:
-    """Positions the trainer computes: each micro-batch padded to its longest prompt and completion."""
-    total = 0
-    for i in range(0, len(rows), micro_batch):
-        mb = rows[i:i + micro_batch]
-        width = max(len(r["prompt_token_ids"]) for r in mb) + max(max(len(r["completion_token_ids"]) for r in mb), 1)
-        total += len(mb) * width
-    return total
+def update_positions(rows: list[dict], cfg) -> dict:
+    """Positions one pass of the trainer over the kept `rows` computes, from the trainer's own layout
+    (`qerl_lib.trainer.plan_update`): `update_positions` real (prompt + completion tokens),
+    `update_padded_positions` as the config lays the micro-batches out, and
+    `update_padded_positions_rollout_order` for slices in rollout order (the layout before
+    `optim.sort_micro_batches`)."""
+    from qerl_lib.trainer import plan_positions, plan_update, row_shape
+
+    shapes = [row_shape(r) for r in rows]
+    rollout_order = cfg.model_copy(deep=True)
+    rollout_order.optim.sort_micro_batches = False
+    return {**plan_positions(plan_update(shapes, cfg), shapes),
+            "update_padded_positions_rollout_order":
+                plan_positions(plan_update(shapes, rollout_order), shapes)["update_padded_positions"]}
+
+
+def positions_of_lengths(lengths: list[int], prompt: int, cfg) -> dict:
+    """`update_positions` of a step whose rows all train: prompts of `prompt` tokens, these completions."""
+    return update_positions([{"prompt_token_ids": [0] * prompt, "completion_token_ids": [0] * n} for n in lengths], cfg)
 
 
 def step_inputs(args, vocab: int, step: int) -> dict:
@@ -241,7 +255,8 @@ def bench_config(args, kv_gib: float | None = None):
         "rollout": {"backend": "vllm", "prompts_per_step": args.prompts, "group_size": args.group,
                     "max_new_tokens": args.max_completion, "temperature": 1.0, "top_p": 1.0, "vllm_lora_dual_stream": True,
                     "vllm_kv_cache_gib": kv_gib, "vllm_max_model_len": args.prompt + args.max_completion + 16},
-        "optim": {"lr": 1e-4, "micro_batch_size": args.micro_batch, "gradient_checkpointing": True}})
+        "optim": {"lr": 1e-4, "micro_batch_size": args.micro_batch, "gradient_checkpointing": True,
+                  "sort_micro_batches": args.micro_batch_order == "length"}})
 
 
 # ----------------------------------------------------------------------------- trainer side (CPU or GPU)
@@ -418,9 +433,10 @@ def run_step(ctx: SimpleNamespace, inp: dict, aqn: bool) -> dict:
     return {"step_s": round(sum(phases.values()), 3), "phases_s": phases, "handover_parts_s": parts, "memory": mem,
             "rows": len(rows), "kept_rows": len(kept), "completion_tokens": sum(inp["lengths"]),
             "rollout_tok_s": round(sum(inp["lengths"]) / max(rollout_s, 1e-9), 1),
-            "update_positions": padded_tokens(kept, cfg.optim.micro_batch_size), "sigma": sigma,
+            **update_positions(kept, cfg), "sigma": sigma,
             "optimizer": type(optimizer).__module__ + "." + type(optimizer).__name__,
-            "metrics": {k: metrics.get(k) for k in ("loss", "grad_norm", "kl", "mismatch_kl", "tokens", "optimizer_steps")}}
+            "metrics": {k: metrics.get(k) for k in ("loss", "grad_norm", "kl", "mismatch_kl", "tokens", "optimizer_steps",
+                                                    "update_positions", "update_padded_positions")}}
 
 
 def child(args) -> None:
@@ -501,11 +517,14 @@ def settings_of(args) -> dict:
     med = args.len_median or 0.3 * args.max_completion
     return {"shape": f"Qwen2.5-{args.shape}", **shape_of(args), "prompts": args.prompts, "group": args.group,
             "prompt_tokens": args.prompt, "max_completion": args.max_completion, "timed_steps": args.steps,
-            "warmup_rows": args.warmup_prompts * args.group, "micro_batch": args.micro_batch, "seed": args.seed,
+            "warmup_rows": args.warmup_prompts * args.group, "micro_batch": args.micro_batch,
+            "micro_batch_order": args.micro_batch_order, "seed": args.seed,
             "lengths": {"distribution": f"lognormal, median {med:g}, log-sd {args.len_sigma}, rounded, clipped to "
                                         f"[1, {args.max_completion}], numpy default_rng(seed + step)",
                         "steps": [length_stats(step_inputs(args, 2, s)["lengths"], args.max_completion)
                                   for s in range(args.steps)]},
+            "update_positions": [positions_of_lengths(step_inputs(args, 2, s)["lengths"], args.prompt, bench_config(args))
+                                 for s in range(args.steps)],
             "kv_cache_gib": kv_gib_of(args), "cuda_graph_sizes": capture_sizes(args.prompts * args.group),
             "config": bench_config(args).model_dump(mode="json", include={"lora", "rollout", "algo", "optim", "aqn", "reward"}),
             "deadline_s": args.deadline_s}
@@ -573,6 +592,8 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--steps", type=int, default=1, help="timed steps per arm, after one untimed warm-up step")
     p.add_argument("--warmup-prompts", type=int, default=1, help="prompts of the warm-up step (x group rows)")
     p.add_argument("--micro-batch", type=int, default=8, help="optim.micro_batch_size (the project's GPU runs: 8)")
+    p.add_argument("--micro-batch-order", choices=("length", "rollout"), default="length",
+                   help="optim.sort_micro_batches: rows grouped by length (the default), or rollout-order slices")
     p.add_argument("--kv-gib", type=float, default=None, help="engine KV cache (default: what the rows need + 10 %%)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deadline-s", type=float, default=510.0, help="no step starts that would end after this")

@@ -4,7 +4,8 @@ Reads, for each step i in 0..steps-1, whichever of these exist (a partially fini
 reported as far as it got):
 
 - `layout.update_metrics(i)`  train metrics of update i: step, loss, entropy, kl, clip_frac,
-  grad_norm, sigma, lr, reward_mean, reward_std, tokens, seconds, ... (any scalar keys);
+  grad_norm, sigma, lr, reward_mean, reward_std, tokens, update_positions, update_padded_positions,
+  seconds, ... (any scalar keys);
 - `layout.reward_metrics(i)`  reward_mean, reward_std, correct_rate, format_rate,
   truncated_frac, kept_frac, ...;
 - `provenance.json` beside `layout.rollouts(i)`: its `seconds` become `rollout_seconds`, and
@@ -72,6 +73,9 @@ _TRAIN_SUMMARY = {
     "truncated_frac": ("last",),
     "kept_frac": ("last", "mean"),
     "tokens": ("sum",),
+    # real and padded positions of the update's micro-batches (`optim.sort_micro_batches`): the padding's cost
+    "update_positions": ("sum",),
+    "update_padded_positions": ("sum",),
     "seconds": ("sum",),
     "step_seconds": ("mean", "sum"),
 }

@@ -3,7 +3,9 @@
 Sequences are laid out as the rollout engine saw them: prompts left-padded to a common
 width P, completions right-padded to Tc, so the hidden states at columns P-1 .. P+Tc-2 predict
 the completion tokens of every row; only those go through the head, chunk by chunk
-(`qerl_lib.head_logprobs`), so the [B, Tc, V] logits never exist at once.
+(`qerl_lib.head_logprobs`), so the [B, Tc, V] logits never exist at once. P and Tc are those of
+one micro-batch; `plan_update` groups rows of similar length into micro-batches
+(`optim.sort_micro_batches`), so little of each [B, P + Tc] is padding.
 
 The importance ratio uses `old_logp`: with one mini-batch per step the parameters at
 the backward pass are the ones that "sampled", so old_logp = logp.detach() (ratio 1,
@@ -19,6 +21,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -139,6 +142,82 @@ def _chunks(n: int, parts: int) -> list[range]:
     return [range(s, min(s + size, n)) for s in range(0, n, size)]
 
 
+# ------------------------------------------------------------------ micro-batch layout (pure)
+
+
+def row_shape(row: dict) -> tuple[int, int]:
+    """(prompt tokens, completion tokens) of a rollout row: what `build_batch` pads."""
+    return len(row["prompt_token_ids"]), len(row["completion_token_ids"])
+
+
+def padded_positions(shapes: Sequence[tuple[int, int]]) -> int:
+    """Positions `build_batch` lays out for one micro-batch of rows with these (prompt, completion)
+    lengths: rows x (longest prompt + longest completion, at least 1), as its [B, P + Tc] tensors."""
+    if not shapes:
+        return 0
+    return len(shapes) * (max(p for p, _ in shapes) + max(max(c for _, c in shapes), 1))
+
+
+def deal_to_ranks(items: Sequence, world_size: int) -> list:
+    """`items` (largest first) reordered so that `distributed.shard` (item i to rank i % W) deals them
+    boustrophedon: round k hands the next W items to ranks 0..W-1, odd rounds in reverse.
+
+    Plain round robin over a descending list gives rank 0 the largest item of every round; the snake
+    alternates, so every rank gets a similar sum while each still gets ceil or floor of n / W items
+    (`update_work` counts on that). W = 1: `items` unchanged.
+    """
+    w, out = max(world_size, 1), []
+    for k, s in enumerate(range(0, len(items), w)):
+        block = list(items[s:s + w])
+        out.extend(block[::-1] if k % 2 else block)
+    return out
+
+
+def plan_micro_batches(shapes: Sequence[tuple[int, int]], size: int, world_size: int = 1,
+                       by_length: bool = True) -> list[list[int]]:
+    """Row indices (into `shapes`, one mini-batch's rows) of each micro-batch, in the order the
+    trainer runs them and `shard` deals them to ranks.
+
+    by_length False: slices of `size` rows in rollout order (each padded to its own longest row).
+    by_length True: rows sorted by total length (prompt + completion), longest first, ties by row
+    index (a stable, input-only order: the same plan on every rank and every re-run), then sliced into
+    `size` rows, so each micro-batch pads to rows of similar length. The micro-batches run largest
+    first (padded positions; ties in slicing order): the peak-memory micro-batch comes first, where
+    an out-of-memory error costs least, and `deal_to_ranks` balances the ranks' positions.
+    Within a micro-batch the rows keep rollout order.
+
+    The composition of the mini-batch does not change, only which rows share a forward: the
+    trainer's loss normalisers are the mini-batch's (`LossNorm`), so the gradient is the same up to
+    float summation order.
+    """
+    n = len(shapes)
+    if not by_length:
+        return [list(range(s, min(s + size, n))) for s in range(0, n, size)]
+    order = sorted(range(n), key=lambda i: (-(shapes[i][0] + shapes[i][1]), i))
+    micro = [sorted(order[s:s + size]) for s in range(0, n, size)]
+    micro.sort(key=lambda m: -padded_positions([shapes[i] for i in m]))  # stable: ties keep slicing order
+    return deal_to_ranks(micro, world_size)
+
+
+def plan_update(shapes: Sequence[tuple[int, int]], cfg: QerlConfig, world_size: int = 1) -> list[list[list[int]]]:
+    """The update's layout: for each of the `algo.mini_batches` mini-batches (consecutive rows in
+    rollout order, whatever the micro-batch layout), the row indices (into `shapes`, all kept rows) of each micro-batch
+    (`plan_micro_batches` with `optim.micro_batch_size` and `optim.sort_micro_batches`)."""
+    return [[[idx.start + i for i in mb]
+             for mb in plan_micro_batches(shapes[idx.start:idx.stop], cfg.optim.micro_batch_size, world_size,
+                                          cfg.optim.sort_micro_batches)]
+            for idx in _chunks(len(shapes), cfg.algo.mini_batches)] if shapes else []
+
+
+def plan_positions(plan: list[list[list[int]]], shapes: Sequence[tuple[int, int]]) -> dict[str, int]:
+    """Positions one pass over the rows computes under `plan` (`plan_update`): `update_positions` the
+    real ones (prompt + completion tokens), `update_padded_positions` what the micro-batches' padded
+    tensors hold. Each pass (training, behaviour, reference) repeats the same micro-batches."""
+    mbs = [mb for mini in plan for mb in mini]
+    return {"update_positions": sum(shapes[i][0] + shapes[i][1] for mb in mbs for i in mb),
+            "update_padded_positions": sum(padded_positions([shapes[i] for i in mb]) for mb in mbs)}
+
+
 def update_work(n_rows: int, cfg: QerlConfig, world_size: int = 1) -> int:
     """Micro-batch passes one rank runs in `train_on_rollouts` for `n_rows` kept rows (the unit of its
     progress): the training passes, plus the no-grad behaviour pass when there are several mini-batches."""
@@ -153,8 +232,10 @@ def train_on_rollouts(policy, optimizer, scheduler, rows: list[dict], cfg: QerlC
     """Run `algo.mini_batches` optimizer steps over `rows` (kept rows only). Returns metrics.
 
     Each mini-batch is split into micro-batches of `optim.micro_batch_size` sequences whose
-    gradients accumulate; the loss normalisers (sequences, tokens) are those of the whole
-    mini-batch, so the accumulated gradient equals the full mini-batch's. With a
+    gradients accumulate (`plan_update`: grouped by length with `optim.sort_micro_batches`); the
+    loss normalisers (sequences, tokens) are those of the whole mini-batch, so the accumulated
+    gradient equals the full mini-batch's. The metrics' `update_positions` / `update_padded_positions`
+    are the real and padded positions of one pass over the rows. With a
     `qerl_lib.distributed.DistContext`, this rank runs every world_size-th micro-batch and the
     gradients and metric sums are summed over the group (same result on every rank).
     `progress(n)`, when given, is called with the micro-batch passes done so far (`update_work`).
@@ -168,20 +249,21 @@ def train_on_rollouts(policy, optimizer, scheduler, rows: list[dict], cfg: QerlC
     loss_fn = LOSSES[cfg.algo.loss]
     temperature = float(rows[0]["temperature"])
     params = [p for p in model.parameters() if p.requires_grad]
-    mbs = cfg.optim.micro_batch_size
     pad = policy.tokenizer.pad_token_id
     use_ref = (cfg.algo.loss == "grpo" and cfg.algo.beta > 0) or cfg.algo.kl_metric
     if cfg.optim.gradient_checkpointing and not getattr(model, "is_gradient_checkpointing", False):
         enable_checkpointing(model, offload=cfg.optim.offload_activations)
-    minis = [[rows[i] for i in idx] for idx in _chunks(len(rows), cfg.algo.mini_batches)]
-    micro = [[b for b in (build_batch(m[i:i + mbs], pad, policy.device) for i in range(0, len(m), mbs))]
-             for m in minis]
+    # Every rank builds the same plan (a function of the rows' lengths only), so the (mini, micro) keys
+    # of `old_logps` and the micro-batches `shard` deals agree across the two passes and across ranks.
+    shapes = [row_shape(r) for r in rows]
+    plan = plan_update(shapes, cfg, 1 if ctx is None else ctx.world_size)
+    micro = [[build_batch([rows[i] for i in mb], pad, policy.device) for mb in mini] for mini in plan]
 
     # The whole update (forward, backward, checkpoint recomputation) runs under one SDPA choice.
     with training_attention(policy.device):
         old_logps: dict[tuple[int, int], torch.Tensor] = {}
         passes = 0
-        if len(minis) > 1:
+        if len(micro) > 1:
             # Later mini-batches step a policy that has already moved: freeze the behaviour logprobs first.
             with torch.no_grad():
                 for a, batches in enumerate(micro):
@@ -254,5 +336,6 @@ def train_on_rollouts(policy, optimizer, scheduler, rows: list[dict], cfg: QerlC
         "lr": lrs[0],
         "tokens": int(tokens_total),
         "optimizer_steps": n_mini - skipped,
+        **plan_positions(plan, shapes),
     })
     return out

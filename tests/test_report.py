@@ -20,7 +20,8 @@ def fake_run(root, steps_with_update=(0, 1, 3), steps_with_reward=(0, 1, 2, 3), 
         atomic_write_json(lay.update_metrics(i), {
             "step": i, "loss": 0.1 * i, "entropy": 1.0 - 0.1 * i, "kl": 0.01 * i, "clip_frac": 0.02,
             "grad_norm": 1.0 + i, "sigma": [0.0, 0.01, 0.005, 0.001][i], "lr": 1e-4, "reward_mean": -9.0,
-            "reward_std": 0.3, "tokens": 100, "seconds": 2.5, "timing": {"forward": 1.5}, "note": "text",
+            "reward_std": 0.3, "tokens": 100, "update_positions": 180, "update_padded_positions": 200 + i,
+            "seconds": 2.5, "timing": {"forward": 1.5}, "note": "text",
         })
     for i in steps_with_reward:
         atomic_write_json(lay.reward_metrics(i), {
@@ -65,6 +66,8 @@ def test_partial_run(tmp_path):
     assert t["reward_mean_mean"] == pytest.approx(0.35)
     assert t["entropy_last"] == pytest.approx(0.7) and t["sigma_max"] == pytest.approx(0.01)
     assert t["tokens_sum"] == 300 and t["seconds_sum"] == pytest.approx(7.5)
+    assert t["update_positions_sum"] == 540 and t["update_padded_positions_sum"] == 604  # the padding's cost
+    assert rows[3]["update_padded_positions"] == "203"
     assert t["last_step"] == 3
     e = summary["eval"]
     assert e["pass_at_1_first"] == pytest.approx(0.2) and e["pass_at_1_last"] == pytest.approx(0.4)

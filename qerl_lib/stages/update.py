@@ -96,7 +96,8 @@ def _update(cfg: QerlConfig, layout: Layout, step: int, policy, ctx) -> dict:
         # Every group had equal rewards: nothing to learn; adapter step+1 = adapter step. Entropy and KL
         # are NaN, not 0: no policy token was scored, and a 0 would read as "the policy is the base".
         metrics = {"loss": 0.0, "entropy": float("nan"), "kl": float("nan"), "clip_frac": 0.0, "grad_norm": 0.0,
-                   "lr": optimizer.param_groups[0]["lr"], "tokens": 0, "optimizer_steps": 0, "skipped": True}
+                   "lr": optimizer.param_groups[0]["lr"], "tokens": 0, "optimizer_steps": 0, "skipped": True,
+                   "update_positions": 0, "update_padded_positions": 0}
     opt_steps = state["optimizer_steps"] + metrics.get("optimizer_steps", 0)
     pol.version = step + 1
     if ctx is not None and not ctx.is_main:
