@@ -172,7 +172,8 @@ def train_on_rollouts(policy, optimizer, scheduler, rows: list[dict], cfg: QerlC
     pad = policy.tokenizer.pad_token_id
     use_ref = (cfg.algo.loss == "grpo" and cfg.algo.beta > 0) or cfg.algo.kl_metric
     if cfg.optim.gradient_checkpointing and not getattr(model, "is_gradient_checkpointing", False):
-        enable_checkpointing(model, offload=cfg.optim.offload_activations)
+        enable_checkpointing(model, offload=cfg.optim.offload_activations,
+                             mlp_chunk_tokens=cfg.optim.mlp_chunk_tokens)
     minis = [[rows[i] for i in idx] for idx in _chunks(len(rows), cfg.algo.mini_batches)]
     micro = [[b for b in (build_batch(m[i:i + mbs], pad, policy.device) for i in range(0, len(m), mbs))]
              for m in minis]
