@@ -15,7 +15,11 @@ Three modes, each writing one JSON file (with the exact command, device and vers
   the full [B, T, V] logits instead of chunk by chunk (`qerl_lib.head_logprobs`), side by side;
   with `:offload` (e.g. `bf16:offload`) the checkpointed layer inputs wait in pinned host memory
   between forward and backward (`qerl_lib.checkpointing`, `optim.offload_activations`), and its
-  ratios are taken against `bf16:offload`.
+  ratios are taken against `bf16:offload`; a further `:mlpchunkN` (e.g. `nvfp4-dq:offload:mlpchunk1152`;
+  a bare `:mlpchunk` takes `--mlp-chunk-tokens`) runs every decoder layer's MLP over chunks of N
+  tokens, recomputed chunk by chunk in backward (`qerl_lib.chunked_mlp`, `optim.mlp_chunk_tokens`):
+  its ratios are taken against `bf16` with the same suffixes (like for like), and it is also compared
+  with its own arm without the chunks (`peak_vs_unchunked_mlp`, `time_vs_unchunked_mlp`).
   The step is the trainer's own: `qerl_lib.trainer.policy_logprobs` under
   `training_attention`, and a token-mean loss, backward with
   non-reentrant gradient checkpointing (`--no-grad-ckpt` turns it off). Median of
@@ -57,6 +61,10 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.train_step_arms import (  # noqa: E402  (re-exported: tests/test_train_step_benchmark.py)
+    ARM_NAMES, MLP_CHUNK, arm_name, arm_parts, split_mlp_chunk, step_summary,
+)
 
 QWEN25 = {
     # Qwen2.5-7B / -32B (Instruct) config.json values that shape the compute
@@ -243,19 +251,6 @@ def logprob_step(model, batch) -> float:
     return float(loss.detach())
 
 
-VARIANTS = ("", ":full", ":offload")
-"""Arm suffixes: none = the trainer's path (chunked log-probs); ':full' = log-probs from the full
-logits; ':offload' = chunked, with the checkpointed layer inputs in pinned host memory
-(`optim.offload_activations`)."""
-
-
-def arm_parts(arm: str) -> tuple[str, str | None, str]:
-    """'nvfp4-triton:full' -> ('nvfp4', 'triton', 'full'); 'bf16' -> ('bf16', None, 'chunked')."""
-    name, _, variant = arm.partition(":")
-    quant, _, backend = name.partition("-")
-    return quant, backend or None, variant or "chunked"
-
-
 def set_logprobs(mode: str):
     """'chunked': `qerl_lib.head_logprobs` (the trainer's default); 'full': the [B, T, V] logits."""
     import os
@@ -299,7 +294,10 @@ def mode_step(args, device) -> dict:
         "attention": "sdpa", "activations": "bf16", "warmup": args.warmup, "repeats": args.repeats,
         "step": "qerl_lib.trainer.policy_logprobs + token-mean loss + backward, under training_attention; "
                 "arms without ':full' take the log-probs chunk by chunk from the hidden states "
-                "(qerl_lib.head_logprobs), ':full' arms from the full logits (logits_to_keep = completion + 1)"}}
+                "(qerl_lib.head_logprobs), ':full' arms from the full logits (logits_to_keep = completion + 1)",
+        "mlp_chunk": "':mlpchunkN' arms: every decoder layer's MLP over chunks of N tokens, recomputed chunk by "
+                     "chunk in backward instead of in the layer recomputation (qerl_lib.chunked_mlp, "
+                     "optim.mlp_chunk_tokens)"}}
     arms = list(args.arms)
     groups = []  # (quant, [arms sharing that model])
     for q in ("nvfp4", "bf16", "nf4"):
@@ -321,12 +319,16 @@ def mode_step(args, device) -> dict:
                  "lora_bytes": lora_bytes(model), "allocated_after_build": torch.cuda.memory_allocated() - before}
         for arm in group:
             _, backend, variant = arm_parts(arm)
+            mlp_chunk = split_mlp_chunk(arm)[1]
+            if mlp_chunk and not args.grad_ckpt:
+                out["arms"][arm] = {"error": "':mlpchunk' needs gradient checkpointing (drop --no-grad-ckpt)"}
+                continue
             if backend is not None:
                 set_backend(backend)
             set_logprobs("full" if variant == "full" else "chunked")
             if args.grad_ckpt:
-                enable_checkpointing(model, offload=variant == "offload")
-            res = dict(built, micro_batch={})
+                enable_checkpointing(model, offload=variant == "offload", mlp_chunk_tokens=mlp_chunk)
+            res = dict(built, micro_batch={}, mlp_chunk_tokens=mlp_chunk or None)
             for mb in args.micro_batches:
                 batch = make_batch(mb, args.prompt, args.completion, cfg.vocab_size, device)
                 try:
@@ -341,30 +343,7 @@ def mode_step(args, device) -> dict:
             out["arms"][arm] = res
         del model
         free_gpu()
-    # ratios
-    summary = {}
-    for mb in map(str, args.micro_batches):
-        row = {}
-        for arm, res in out["arms"].items():
-            r = res.get("micro_batch", {}).get(mb, {})
-            if "ms_median" in r:
-                row[arm] = {"ms": round(r["ms_median"], 1), "peak_gib": r["peak_gib"]}
-        for arm, r in row.items():
-            variant = arm_parts(arm)[2]
-            suffix = "" if variant == "chunked" else ":" + variant
-            bf = row.get("bf16" + suffix)  # against BF16 on the same log-prob and offload path
-            if bf:
-                r["time_vs_bf16"] = round(r["ms"] / bf["ms"], 3)
-                r["peak_vs_bf16"] = round(r["peak_gib"] / bf["peak_gib"], 3)
-            torch_arm = "nvfp4-torch" + suffix
-            if arm.startswith("nvfp4-triton") and torch_arm in row:
-                r["speedup_vs_torch_dequant"] = round(row[torch_arm]["ms"] / r["ms"], 3)
-            full = row.get(arm + ":full")
-            if full:
-                r["peak_vs_full_logits"] = round(r["peak_gib"] / full["peak_gib"], 3)
-                r["time_vs_full_logits"] = round(r["ms"] / full["ms"], 3)
-        summary[mb] = row
-    out["summary"] = summary
+    out["summary"] = step_summary(out["arms"], args.micro_batches)
     try:
         from qerl_lib.kernels.nvfp4_triton import tuned_configs
 
@@ -471,9 +450,13 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--completion", type=int, default=2048)
     ap.add_argument("--arms", nargs="+", metavar="ARM", default=["nvfp4-triton", "nvfp4-torch", "bf16", "nf4"],
-                    choices=[a + s for a in ("nvfp4-triton", "nvfp4-torch", "nvfp4-auto", "nvfp4-dq", "bf16", "nf4") for s in VARIANTS],
-                    help="step: ARM[:full|:offload]; ':full' computes the log-probs from the full logits (the old path), "
-                         "':offload' keeps the checkpointed layer inputs in host memory")
+                    type=arm_name,
+                    help=f"step: ARM[:full|:offload][:mlpchunk[N]], ARM one of {', '.join(ARM_NAMES)}; ':full' computes "
+                         "the log-probs from the full logits (the old path), ':offload' keeps the checkpointed layer "
+                         "inputs in host memory, ':mlpchunkN' runs the MLPs over chunks of N tokens")
+    ap.add_argument("--mlp-chunk-tokens", type=int, default=1152,
+                    help="tokens per MLP chunk of arms with a bare ':mlpchunk' (default 1152: a quarter of micro-batch "
+                         "2 x 2304, above the 1024 rows up to which NVFP4 calls take the fused kernels)")
     ap.add_argument("--no-grad-ckpt", dest="grad_ckpt", action="store_false")
     ap.add_argument("--offload", action="store_true",
                     help="grpo32b: keep the checkpointed layer inputs in pinned host memory (optim.offload_activations)")
@@ -482,6 +465,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
+    if args.mlp_chunk_tokens < 1:
+        ap.error("--mlp-chunk-tokens must be positive")
+    # a bare ':mlpchunk' names its size, so the JSON keys say what ran
+    args.arms = [a + str(args.mlp_chunk_tokens) if a.endswith(MLP_CHUNK) else a for a in args.arms]
     if args.micro_batches is None:
         args.micro_batches = [2] if args.mode == "grpo32b" else [2, 8]
     if not torch.cuda.is_available():

@@ -252,7 +252,8 @@ def train_on_rollouts(policy, optimizer, scheduler, rows: list[dict], cfg: QerlC
     pad = policy.tokenizer.pad_token_id
     use_ref = (cfg.algo.loss == "grpo" and cfg.algo.beta > 0) or cfg.algo.kl_metric
     if cfg.optim.gradient_checkpointing and not getattr(model, "is_gradient_checkpointing", False):
-        enable_checkpointing(model, offload=cfg.optim.offload_activations)
+        enable_checkpointing(model, offload=cfg.optim.offload_activations,
+                             mlp_chunk_tokens=cfg.optim.mlp_chunk_tokens)
     # Every rank builds the same plan (a function of the rows' lengths only), so the (mini, micro) keys
     # of `old_logps` and the micro-batches `shard` deals agree across the two passes and across ranks.
     shapes = [row_shape(r) for r in rows]
