@@ -357,7 +357,8 @@ import sys
 from pathlib import Path
 import pyarrow.parquet as pq
 ws = Path(sys.argv[1])
-for p in sorted(ws.glob("eval/step=*/*.parquet")) + sorted(ws.glob("rewards/step=*/scored.parquet"))[-1:]:
+by_step = lambda p: int(p.parent.name.split("=")[1])  # step=9 sorts after step=59 as text
+for p in sorted(ws.glob("eval/step=*/*.parquet"), key=by_step) + sorted(ws.glob("rewards/step=*/scored.parquet"), key=by_step)[-1:]:
     out = ws / "samples" / f"{p.parent.name}_{p.stem}.parquet"
     out.parent.mkdir(exist_ok=True)
     pq.write_table(pq.read_table(p).slice(0, 24), out)
