@@ -59,6 +59,7 @@ def test_header_constants_match():
     header = (C.CSRC / "nvfp4_gemv.h").read_text()
     consts = dict(re.findall(r"constexpr int (\w+) = (\d+);", header))
     assert int(consts["kMaxSlices"]) == C.MAX_SLICES and int(consts["kMaxWarps"]) == C.MAX_WARPS
+    assert int(consts["kMaxRank"]) == C.MAX_RANK
 
 
 def test_bad_inputs_fail_before_the_gpu():
@@ -77,7 +78,9 @@ def test_bad_inputs_fail_before_the_gpu():
                lambda: C.nvfp4_gemv(x, p[:, :32], s, gs),  # packed width
                lambda: C.nvfp4_gemv(x, p, s, gs, None, [a, a, a, a], [b[:16]] * 4),  # 4 slices
                lambda: C.nvfp4_gemv(x, p, s, gs, None, a, b, 1.0, torch.zeros(2, dtype=torch.long)),  # index
-               lambda: C.nvfp4_gemv(x, p, s, gs, torch.zeros(63))):  # bias size
+               lambda: C.nvfp4_gemv(x, p, s, gs, torch.zeros(63)),  # bias size
+               lambda: C.nvfp4_gemv(x, p, s, gs, None, torch.zeros(65, 128, dtype=torch.bfloat16),
+                                    torch.zeros(64, 65, dtype=torch.bfloat16))):  # rank 65
         with pytest.raises(ValueError):
             fn()
     with pytest.raises(RuntimeError, match="CUDA tensors"):

@@ -17,8 +17,9 @@ float32 accumulators are summed through shared memory in a fixed order (determin
 no counters), and the epilogue applies 128 / global_scale, bias and LoRA.
 
 **LoRA.** Two launches, both graph-capturable: `lora_shrink_kernel` computes t [M, slices * r] =
-lora_scale * mask * x @ A_s.T in float32 (one block per A row), then the GEMV adds B_s[row] . t[m] in
-its epilogue (an r-element dot per output). With config `pdl` (or env QERL_GEMV_PDL=1) the GEMV is a
+lora_scale * mask * x @ A_s.T in float32 as partial sums over K slices of at most 4096 (one block per A
+row and slice: 48 blocks for q|k|v, 80 for down), then each GEMV block sums the partials in a fixed
+order into shared memory and adds B_s[row] . t[m] in its epilogue (an r-element dot per output). With config `pdl` (or env QERL_GEMV_PDL=1) the GEMV is a
 programmatic dependent launch: it streams its weights while the shrink runs and waits for it
 (`griddepcontrol.wait`) only before the epilogue.
 
@@ -49,6 +50,8 @@ MAX_SLICES = 3
 """Most LoRA output slices (q|k|v)."""
 MAX_WARPS = 16
 """Warps per block (WR x WK), as compiled."""
+MAX_RANK = 64
+"""Largest LoRA rank (t [M, slices * rank] is staged in shared memory)."""
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("nvfp4_gemv.cu", "nvfp4_gemv_bind.cpp")
 HEADERS = ("nvfp4_gemv.h", "nvfp4_gemv.cuh")
@@ -240,6 +243,8 @@ def nvfp4_gemv(
         if len(a_list) != len(b_list) or not 1 <= len(a_list) <= MAX_SLICES:
             raise ValueError(f"LoRA needs 1 to {MAX_SLICES} (A, B) slices, got {len(a_list)} A and {len(b_list)} B")
         rank = a_list[0].shape[0]
+        if not 1 <= rank <= MAX_RANK:
+            raise ValueError(f"LoRA rank must be 1..{MAX_RANK}, got {rank}")
         for a, b in zip(a_list, b_list):
             if a.shape != (rank, k) or b.dim() != 2 or b.shape[1] != rank or a.dtype != x.dtype or b.dtype != x.dtype:
                 raise ValueError(f"LoRA slices must be A [{rank}, {k}] and B [n_i, {rank}] in {x.dtype}")

@@ -111,7 +111,7 @@ __device__ __forceinline__ void iteration(float (&acc)[MT][4], const Lane& l, in
 template <bool BF16, int MT, bool ALIGNED>
 __global__ void __launch_bounds__(256) gemv_kernel(const Params p) {
   using T = std::conditional_t<BF16, __nv_bfloat16, __half>;
-  extern __shared__ float red[];  // [warp][MT][4 registers][32 lanes]
+  extern __shared__ float red[];  // [warp][MT][4 registers][32 lanes], then LoRA t [M][t_stride]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const Lane l = lane_setup(p, blockIdx.x, warp, lane, MT);
   const int nc = (p.K + kChunkK - 1) / kChunkK, nfull = p.K / kChunkK, groups = p.K >> 4;
@@ -130,8 +130,17 @@ __global__ void __launch_bounds__(256) gemv_kernel(const Params p) {
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int i = 0; i < 4; ++i) red[((warp * MT + mt) * 4 + i) * 32 + lane] = acc[mt][i];
+  float* tsum = red + 32 * 4 * MT * (blockDim.x >> 5);
+  if (p.t != nullptr) {  // the shrink's partials, summed in a fixed order
+    griddep_wait();  // the LoRA shrink (a PDL primary) has finished and is visible
+    const int n_t = p.M * p.t_stride;
+    for (int i = threadIdx.x; i < n_t; i += blockDim.x) {
+      float v = 0.0f;
+      for (int kb = 0; kb < p.ks; ++kb) v += p.t[kb * n_t + i];
+      tsum[i] = v;
+    }
+  }
   __syncthreads();
-  if (p.t != nullptr) griddep_wait();  // the LoRA shrink (a PDL primary) has finished and is visible
 
   const int rows_blk = p.wr * 16;
   T* y = static_cast<T*>(p.y);
@@ -144,44 +153,57 @@ __global__ void __launch_bounds__(256) gemv_kernel(const Params p) {
     const int w0 = (rl >> 4) * p.wk;
     float s = 0.0f;
     for (int k = 0; k < p.wk; ++k) s += red[(((w0 + k) * MT + mt) * 4 + reg) * 32 + ln];  // fixed order
-    const float v = epilogue(p, s, row, m, BF16);
+    const float v = epilogue(p, s, row, m, BF16, tsum);
     if constexpr (BF16) y[m * p.y_stride + row] = __float2bfloat16_rn(v);
     else y[m * p.y_stride + row] = __float2half_rn(v);
   }
 }
 
-// t[m, s * rank + j] = scale * (index[m] == slot) * x[m] . A_s[j]: one block of 256 threads per (s, j),
-// 8 k per thread and step (16-byte loads of A and of every x row), float32, a fixed-order reduction.
+// t[kb, m, s * rank + j] = scale * (index[m] == slot) * x[m, K slice kb] . A_s[j, K slice kb]: one block of
+// 256 threads per (s * rank + j, kb), 8 k per thread and step (16-byte loads of A and of every x row, four
+// steps' loads in flight), float32, a fixed-order reduction.
 template <bool BF16, int MAXM>
 __global__ void __launch_bounds__(256) lora_shrink_kernel(const ShrinkParams p) {
   using T = std::conditional_t<BF16, __nv_bfloat16, __half>;
   griddep_launch_dependents();  // the GEMV may start streaming its weights now
   __shared__ float red[MAXM][8];
   const int s = blockIdx.x / p.rank, j = blockIdx.x - s * p.rank;
+  const int k8_0 = blockIdx.y * (p.kslice / 8), k8_1 = min(p.K, (blockIdx.y + 1) * p.kslice) / 8;
   const T* a = static_cast<const T*>(s == 0 ? p.a0 : (s == 1 ? p.a1 : p.a2)) +
                j * (s == 0 ? p.sa0 : (s == 1 ? p.sa1 : p.sa2));
   const T* x = static_cast<const T*>(p.x);
   float acc[MAXM];
 #pragma unroll
   for (int m = 0; m < MAXM; ++m) acc[m] = 0.0f;
-  for (int k8 = threadIdx.x; k8 < p.K / 8; k8 += blockDim.x) {
-    const uint4 av = __ldg(reinterpret_cast<const uint4*>(a + 8 * k8));
-    const uint32_t aw[4] = {av.x, av.y, av.z, av.w};
-    float af[8];
+  constexpr int V = 4;  // steps whose A loads are in flight together
+  for (int k80 = k8_0 + threadIdx.x; k80 < k8_1; k80 += V * blockDim.x) {
+    uint4 av[V];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      af[2 * i] = bits_to_float(static_cast<uint16_t>(aw[i]), BF16);
-      af[2 * i + 1] = bits_to_float(static_cast<uint16_t>(aw[i] >> 16), BF16);
+    for (int v = 0; v < V; ++v) {
+      const int k8 = k80 + v * blockDim.x;
+      av[v] = k8 < k8_1 ? __ldg(reinterpret_cast<const uint4*>(a + 8 * k8)) : make_uint4(0u, 0u, 0u, 0u);
     }
 #pragma unroll
     for (int m = 0; m < MAXM; ++m) {
       if (m < p.M) {
-        const uint4 xv = __ldg(reinterpret_cast<const uint4*>(x + m * p.x_stride + 8 * k8));
-        const uint32_t xw[4] = {xv.x, xv.y, xv.z, xv.w};
+        uint4 xv[V];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          acc[m] = fmaf(af[2 * i], bits_to_float(static_cast<uint16_t>(xw[i]), BF16), acc[m]);
-          acc[m] = fmaf(af[2 * i + 1], bits_to_float(static_cast<uint16_t>(xw[i] >> 16), BF16), acc[m]);
+        for (int v = 0; v < V; ++v) {
+          const int k8 = k80 + v * blockDim.x;
+          xv[v] = k8 < k8_1 ? __ldg(reinterpret_cast<const uint4*>(x + m * p.x_stride + 8 * k8))
+                            : make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          const uint32_t aw[4] = {av[v].x, av[v].y, av[v].z, av[v].w};
+          const uint32_t xw[4] = {xv[v].x, xv[v].y, xv[v].z, xv[v].w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            acc[m] = fmaf(bits_to_float(static_cast<uint16_t>(aw[i]), BF16),
+                          bits_to_float(static_cast<uint16_t>(xw[i]), BF16), acc[m]);
+            acc[m] = fmaf(bits_to_float(static_cast<uint16_t>(aw[i] >> 16), BF16),
+                          bits_to_float(static_cast<uint16_t>(xw[i] >> 16), BF16), acc[m]);
+          }
         }
       }
     }
@@ -202,7 +224,7 @@ __global__ void __launch_bounds__(256) lora_shrink_kernel(const ShrinkParams p) 
     bool on = true;
     if (p.index_kind == 1) on = static_cast<const int32_t*>(p.index)[m] == p.slot;
     else if (p.index_kind == 2) on = static_cast<const int64_t*>(p.index)[m] == static_cast<int64_t>(p.slot);
-    p.t[m * p.t_stride + blockIdx.x] = on ? v * p.scale : 0.0f;
+    p.t[(blockIdx.y * p.M + m) * p.t_stride + blockIdx.x] = on ? v * p.scale : 0.0f;
   }
 }
 
@@ -229,11 +251,13 @@ static int launch_t(const Params& p, bool pdl, void* stream) {
   const int warps = p.wr * p.wk;
   const int tiles = (p.N + 15) / 16;
   const dim3 grid((tiles + p.wr - 1) / p.wr), block(32 * warps);
-  return launch(gemv_kernel<BF16, MT, ALIGNED>, p, grid, block, sizeof(float) * warps * MT * 4 * 32, pdl, stream);
+  const size_t smem = sizeof(float) * (warps * MT * 4 * 32 + (p.t != nullptr ? p.M * p.t_stride : 0));
+  return launch(gemv_kernel<BF16, MT, ALIGNED>, p, grid, block, smem, pdl, stream);
 }
 
 int launch_gemv(const Params& p, bool bf16, bool aligned, bool pdl, void* stream) {
-  if (p.M < 1 || p.M > 16 || p.wr < 1 || p.wk < 1 || p.wr * p.wk > kMaxWarps || p.K % 16) {
+  if (p.M < 1 || p.M > 16 || p.wr < 1 || p.wk < 1 || p.wr * p.wk > kMaxWarps || p.K % 16 ||
+      (p.t != nullptr && (p.rank < 1 || p.rank > kMaxRank || p.ks < 1))) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   const bool two = p.M > 8;
@@ -246,10 +270,11 @@ int launch_gemv(const Params& p, bool bf16, bool aligned, bool pdl, void* stream
 }
 
 int launch_lora_shrink(const ShrinkParams& p, bool bf16, int slices, void* stream) {
-  if (p.M < 1 || p.M > 16 || slices < 1 || slices > kMaxSlices || p.rank < 1 || p.K % 8) {
+  if (p.M < 1 || p.M > 16 || slices < 1 || slices > kMaxSlices || p.rank < 1 || p.rank > kMaxRank || p.K % 8 ||
+      p.kslice < 8 || p.kslice % 8) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
-  const dim3 grid(slices * p.rank), block(256);
+  const dim3 grid(slices * p.rank, (p.K + p.kslice - 1) / p.kslice), block(256);
   if (bf16) {
     return p.M > 8 ? launch(lora_shrink_kernel<true, 16>, p, grid, block, 0, false, stream)
                    : launch(lora_shrink_kernel<true, 8>, p, grid, block, 0, false, stream);

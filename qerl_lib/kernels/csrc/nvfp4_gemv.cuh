@@ -269,8 +269,9 @@ QG_HD float load_f(const void* p, int64_t i, int kind) {  // kind 1 float32, 2 b
 }
 
 // Output (x row m, W row `row`) from the reduced accumulator: * 128 / gs (W'' carries 2**-7), + bias,
-// + B_s[row] . t[m] (the LoRA slice s holding the row; t already scaled and masked).
-QG_HD float epilogue(const Params& p, float acc, int row, int m, bool bf16) {
+// + B_s[row] . t[m] (the LoRA slice s holding the row; t [M, t_stride], the shrink's partials summed,
+// already scaled and masked; used when p.t is set).
+QG_HD float epilogue(const Params& p, float acc, int row, int m, bool bf16, const float* t) {
   float v = acc * (128.0f / p.gs[static_cast<int64_t>(row) * p.gs_stride]);
   if (p.bias_kind) v += load_f(p.bias, row, p.bias_kind);
   if (p.t != nullptr) {
@@ -279,7 +280,7 @@ QG_HD float epilogue(const Params& p, float acc, int row, int m, bool bf16) {
     const void* b = s == 0 ? p.lb0 : (s == 1 ? p.lb1 : p.lb2);
     const int64_t sb = s == 0 ? p.sb0 : (s == 1 ? p.sb1 : p.sb2);
     const int64_t b0 = static_cast<int64_t>(row - r0) * sb;
-    const float* tt = p.t + static_cast<int64_t>(m) * p.t_stride + s * p.rank;
+    const float* tt = t + m * p.t_stride + s * p.rank;
     float l = 0.0f;
     for (int j = 0; j < p.rank; ++j) l += load_f(b, b0 + j, bf16 ? 2 : 3) * tt[j];
     v += l;

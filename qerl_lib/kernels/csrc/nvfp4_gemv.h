@@ -10,6 +10,8 @@ constexpr int kChunkK = 128;    // k of one chunk: 4 lanes x 32 k (16 bytes of c
 constexpr int kUnroll = 4;      // chunks whose loads a warp issues before it uses the first
 constexpr int kMaxSlices = 3;   // LoRA output slices (q|k|v)
 constexpr int kMaxWarps = 16;   // warps per block (WR x WK)
+constexpr int kMaxRank = 64;    // LoRA rank (the GEMV stages t [M, slices * rank] in shared memory)
+constexpr int kShrinkK = 4096;  // k per block of the LoRA shrink (K slices)
 
 // y [M, N] = x [M, K] @ W.T * (128 / gs) + bias + B_s . t  (W'' = e2m1 * fp8 * 2**-7 in the MMA)
 struct Params {
@@ -19,16 +21,17 @@ struct Params {
   const void* bias;        // [N] or null; bias_kind 1 float32, 2 bf16, 3 fp16
   const void* x;           // [M, K] bf16/fp16, rows x_stride elements apart
   void* y;                 // [M, N] x.dtype, rows y_stride elements apart
-  const float* t;          // LoRA shrink [M, t_stride] float32 (scale and row mask applied), or null
+  const float* t;          // LoRA shrink partials [ks, M, t_stride] float32 (scale, row mask applied), or null
   const void* lb0;         // LoRA B slices [n_i, rank] (x.dtype), rows sb_i elements apart
   const void* lb1;
   const void* lb2;
   int64_t code_stride, scale_stride, x_stride, y_stride, sb0, sb1, sb2;
-  int M, N, K, gs_stride, bias_kind, rank, t_stride, off1, off2;  // slice 1 starts at row off1, 2 at off2
+  int M, N, K, gs_stride, bias_kind, rank, t_stride, ks, off1, off2;  // slice 1 starts at row off1, 2 at off2
   int wr, wk;              // row tiles (16 rows) per block, warps splitting K per row tile
 };
 
-// t [M, S * rank] = lora_scale * mask[m] * x @ A_s.T, one block per (slice, rank row)
+// t [ks, M, S * rank]: partial sums of lora_scale * mask[m] * x @ A_s.T over K slices of `kslice` k (a
+// multiple of 8), one block per (slice s and rank row j, K slice); the GEMV sums the ks partials.
 struct ShrinkParams {
   const void* x;
   const void* a0;          // A slices [rank, K] (x.dtype), rows sa_i elements apart
@@ -37,7 +40,7 @@ struct ShrinkParams {
   const void* index;       // per-row LoRA slot [>= M] or null; index_kind 1 int32, 2 int64
   float* t;
   int64_t x_stride, sa0, sa1, sa2;
-  int M, K, rank, t_stride, index_kind, slot;
+  int M, K, rank, t_stride, index_kind, slot, kslice;
   float scale;
 };
 

@@ -106,7 +106,11 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, t
       rows += b.size(0);
     }
     TORCH_CHECK(rows == N, "nvfp4_gemv_cuda: LoRA B slices cover ", rows, " rows, W has ", N);
-    t = torch::empty({M, static_cast<int64_t>(slices) * rank}, x.options().dtype(torch::kFloat32));
+    TORCH_CHECK(rank >= 1 && rank <= qg::kMaxRank, "nvfp4_gemv_cuda: LoRA rank must be 1..", qg::kMaxRank);
+    const int64_t ks = (K + qg::kShrinkK - 1) / qg::kShrinkK;
+    const int64_t kslice = ((K + ks - 1) / ks + 7) / 8 * 8;
+    const int64_t ks_used = (K + kslice - 1) / kslice;
+    t = torch::empty({ks_used, M, static_cast<int64_t>(slices) * rank}, x.options().dtype(torch::kFloat32));
     qg::ShrinkParams s = {};
     s.x = x.data_ptr();
     s.x_stride = x.stride(0);
@@ -132,12 +136,14 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, t
     s.t_stride = static_cast<int>(slices * rank);
     s.slot = static_cast<int>(lora_slot);
     s.scale = static_cast<float>(lora_scale);
+    s.kslice = static_cast<int>(kslice);
     const int err = qg::launch_lora_shrink(s, bf16, static_cast<int>(slices), stream.stream());
     TORCH_CHECK(err == 0, "nvfp4_gemv_cuda: LoRA shrink launch failed: ",
                 cudaGetErrorString(static_cast<cudaError_t>(err)));
     p.t = s.t;
     p.t_stride = s.t_stride;
     p.rank = s.rank;
+    p.ks = static_cast<int>(ks_used);
     p.lb0 = lora_b[0].data_ptr();
     p.sb0 = lora_b[0].stride(0);
     p.lb1 = lora_b[slices > 1 ? 1 : 0].data_ptr();

@@ -229,6 +229,7 @@ bool run_case(const Case& cs, std::mt19937& rng, int& checked) {
   if (S) {
     p.t = tvec.data();
     p.t_stride = S * R;
+    p.ks = 1;
     p.rank = R;
     p.lb0 = B[0].data(); p.sb0 = R;
     p.lb1 = B[S > 1 ? 1 : 0].data(); p.sb1 = R;
@@ -259,7 +260,7 @@ bool run_case(const Case& cs, std::mt19937& rng, int& checked) {
       const int w0 = (rl >> 4) * p.wk;
       float s = 0.0f;
       for (int k = 0; k < p.wk; ++k) s += red[(((w0 + k) * mt + q) * 4 + reg) * 32 + ln];
-      const double y = bits_to_float(to_bits(epilogue(p, s, row, m, bf16), bf16), bf16);
+      const double y = bits_to_float(to_bits(epilogue(p, s, row, m, bf16, tvec.data()), bf16), bf16);
       const double rv = ref[m * N + row];
       const double mag = std::fmax(std::fabs(rv), std::ldexp(1.0, -120));
       const double ulp = std::ldexp(1.0, static_cast<int>(std::floor(std::log2(mag))) - (bf16 ? 7 : 10));
