@@ -301,3 +301,51 @@ def test_gpu_opcheck():
     torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
     assert torch.equal(torch.ops.qerl.nvfp4_gemv_cuda(*args), C.nvfp4_gemv(x, p, s, gs, None, a, b, 0.5, idx, 0))
     assert C.kernel_regs(True, 1, True) > 0
+
+
+# ---------------------------------------------------------------------------------------
+# The worker's switch (pure parts; vLLM itself is GPU-side)
+# ---------------------------------------------------------------------------------------
+
+
+def test_worker_gemv_kernel_env(monkeypatch):
+    from qerl_lib.rollout.vllm_worker import GEMV_KERNEL_ENV, gemv_kernel_from_env
+
+    monkeypatch.delenv(GEMV_KERNEL_ENV, raising=False)
+    assert gemv_kernel_from_env() == "triton"
+    for raw, want in (("", "triton"), ("triton", "triton"), (" CUDA ", "cuda")):
+        monkeypatch.setenv(GEMV_KERNEL_ENV, raw)
+        assert gemv_kernel_from_env() == want
+    monkeypatch.setenv(GEMV_KERNEL_ENV, "marlin")
+    with pytest.raises(ValueError):
+        gemv_kernel_from_env()
+
+
+def test_worker_gemv_function_dispatch():
+    """`cuda` serves steps of at most 16 rows with the CUDA kernel; larger steps and `triton` keep Triton."""
+    pytest.importorskip("triton")
+    from qerl_lib.kernels import nvfp4_gemv as T
+    from qerl_lib.rollout.vllm_worker import gemv_function
+
+    assert gemv_function(1, "cuda") is C.nvfp4_gemv and gemv_function(16, "cuda") is C.nvfp4_gemv
+    assert gemv_function(17, "cuda") is T.nvfp4_gemv and gemv_function(4, "triton") is T.nvfp4_gemv
+
+
+def test_gemv_kernel_reaches_the_served_engine(tmp_path):
+    """`rollout.vllm_gemv_kernel` travels with `vllm_gemv_rows` as `QERL_VLLM_GEMV_KERNEL`; without rows, neither."""
+    from qerl_lib.config import QerlConfig
+    from qerl_lib.rollout.serve import vllm_command
+    from qerl_lib.rollout.vllm_engine import VLLMEngine
+    from qerl_lib.rollout.vllm_worker import GEMV_KERNEL_ENV
+
+    (tmp_path / "config.json").write_text('{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}')
+    cfg = QerlConfig()
+    assert cfg.rollout.vllm_gemv_kernel == "triton"
+    cfg.rollout.vllm_gemv_kernel = "cuda"
+    _, env = vllm_command(cfg, tmp_path, "127.0.0.1", 8000)
+    assert GEMV_KERNEL_ENV not in env
+    cfg.rollout.vllm_gemv_rows = 16
+    _, env = vllm_command(cfg, tmp_path, "127.0.0.1", 8000)
+    assert env[GEMV_KERNEL_ENV] == "cuda"
+    with pytest.raises(ValueError):
+        VLLMEngine(tmp_path, gemv_kernel="marlin", llm=object())

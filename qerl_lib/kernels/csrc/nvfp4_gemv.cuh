@@ -32,11 +32,14 @@ struct RowChunk {
 };
 
 // ------------------------------------------------------------------------------------------ loads
+// Device loads are `asm volatile`: the compiler then keeps them where the source puts them, so all U
+// chunks' loads are in flight before the first MMA (as plain loads, the codes of later chunks were
+// sunk next to their use, leaving about one chunk in flight per warp).
 
 QG_HD uint4 ld_stream16(const uint8_t* p) {  // codes: read once, keep them out of L1
 #ifdef __CUDA_ARCH__
   uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 #else
@@ -49,7 +52,7 @@ QG_HD uint4 ld_stream16(const uint8_t* p) {  // codes: read once, keep them out 
 QG_HD uint2 ld_stream8(const uint8_t* p) {
 #ifdef __CUDA_ARCH__
   uint2 v;
-  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
   return v;
 #else
   uint2 v;
@@ -60,7 +63,9 @@ QG_HD uint2 ld_stream8(const uint8_t* p) {
 
 QG_HD uint32_t ld_u16(const uint8_t* p) {  // scales: 32-byte sectors shared with the neighbouring chunks
 #ifdef __CUDA_ARCH__
-  return __ldg(reinterpret_cast<const unsigned short*>(p));
+  uint16_t v;
+  asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
 #else
   uint16_t v;
   std::memcpy(&v, p, 2);
@@ -70,7 +75,9 @@ QG_HD uint32_t ld_u16(const uint8_t* p) {  // scales: 32-byte sectors shared wit
 
 QG_HD uint32_t ld_u8(const uint8_t* p) {
 #ifdef __CUDA_ARCH__
-  return __ldg(reinterpret_cast<const unsigned char*>(p));
+  uint16_t v;
+  asm volatile("ld.global.nc.u8 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
 #else
   return *p;
 #endif
@@ -78,7 +85,9 @@ QG_HD uint32_t ld_u8(const uint8_t* p) {
 
 QG_HD uint4 ld_x16(const void* p) {  // x: every block reads it, keep it in L1
 #ifdef __CUDA_ARCH__
-  return __ldg(reinterpret_cast<const uint4*>(p));
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
 #else
   uint4 v;
   std::memcpy(&v, p, 16);
