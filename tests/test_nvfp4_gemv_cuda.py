@@ -7,8 +7,8 @@ The criterion is tests/test_nvfp4_gemv.py's (`within`): |y - ref| <= 1 ulp of re
   GPU, and the kernel's per-lane code replayed on the CPU (csrc/nvfp4_gemv_host_test.cu, built with
   nvcc when there is one: every row count 1..16, K tails, misaligned rows, per-row global scales, bias,
   LoRA over 1-3 slices with row slots, all-max / zero / subnormal-scale codes, fp16; mutations of the
-  decode's selector, the scale group, the B fragment order, the accumulator slot and the lane's group
-  each fail 21 to 30 of its 32 cases).
+  decode's selector, the scale group, the B fragment order or the accumulator slot each fail 32 of its
+  35 cases, a wrong group index in the tail loads the 5 K-tail cases).
 - GPU (`-m gpu`): the Qwen2.5-7B shapes at every row count 1..16 with and without LoRA (3, 1 and 2
   slices), adversarial codes, K tails and misaligned rows, launch configurations, fp16, int32 slots,
   NaN-poisoned outputs, bit-identical repeats, CUDA-graph capture and replay (with and without PDL),

@@ -224,9 +224,9 @@ def nvfp4_gemv(
     m, n = x2.shape[0], packed.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"nvfp4_gemv_cuda serves at most {MAX_ROWS} rows, got {m}")
-    if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] * 2 != k or k % 16:
+    if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] * 2 != k or k % 16 or k == 0:
         raise ValueError(f"packed {tuple(packed.shape)} {packed.dtype} does not match K={k} "
-                         "(uint8 [N, K/2], K % 16 == 0)")
+                         "(uint8 [N, K/2], K a positive multiple of 16)")
     if scale.shape != (n, k // 16):
         raise ValueError(f"scale {tuple(scale.shape)} does not match [N, K/16] = [{n}, {k // 16}]")
     if scale.dtype not in (torch.uint8, torch.float8_e4m3fn):
