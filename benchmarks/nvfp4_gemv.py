@@ -19,7 +19,9 @@ The CUDA C++ kernel (`qerl_lib.kernels.nvfp4_gemv_cuda`, rows 1..16, built on fi
 left out, with the reason under "errors", when the extension does not build): `cuda` (`plan`'s
 configuration), `cuda_best` (the fastest of `CUDA_SWEEP`), `cuda_lora` (LoRA shrink kernel, then the
 GEMV with the expand in its epilogue) and `cuda_lora_pdl` (the same, the GEMV a programmatic dependent
-launch overlapping the shrink).
+launch overlapping the shrink); `cuda_pdl`: every GEMV a programmatic dependent launch of the one
+before (it overlaps the previous call's tail: in an engine the kernel before a linear is another op,
+so this arm bounds what PDL could gain, it is not what the engine gets).
 
 Reported: ms per decode step of all linears, the share of the weight-read bound (codes + scales of the
 step / the measured device-to-device copy bandwidth, divided by the time), and the crossovers: the
@@ -325,6 +327,7 @@ def main() -> None:
         arms["cublas_lora_dual"] = dual
         if m in cuda_rows:
             arms["cuda"] = lambda: [C.nvfp4_gemv(x, L["p"], L["s"], gs) for L in ls]
+            arms["cuda_pdl"] = lambda: [C.nvfp4_gemv(x, L["p"], L["s"], gs, config={"pdl": True}) for L in ls]
             arms["cuda_lora"] = lambda: [C.nvfp4_gemv(x, L["p"], L["s"], gs, None, L["a"], L["b"], 1.0, idx, 0)
                                          for L in ls]
             arms["cuda_lora_pdl"] = lambda: [C.nvfp4_gemv(x, L["p"], L["s"], gs, None, L["a"], L["b"], 1.0, idx, 0,
@@ -376,7 +379,8 @@ def main() -> None:
                 row.setdefault("cuda_best_config", {})[g] = cbest[1]
             torch.cuda.empty_cache()
         row["total_ms"] = {a: round(sum(v.values()), 4) for a, v in row["ms"].items() if len(v) == len(GROUPS)}
-        for a in ("gemv", "gemv_best", "cuda", "cuda_best", "cuda_lora", "cuda_lora_pdl", "marlin", "cublas"):
+        for a in ("gemv", "gemv_best", "cuda", "cuda_best", "cuda_pdl", "cuda_lora", "cuda_lora_pdl", "marlin",
+                  "cublas"):
             if a in row["total_ms"]:
                 row.setdefault("share_of_weight_read_bound", {})[a] = round(
                     res["nvfp4_bytes_per_step"] / bw * 1e3 / row["total_ms"][a], 3)

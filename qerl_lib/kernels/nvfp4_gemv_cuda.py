@@ -19,9 +19,15 @@ no counters), and the epilogue applies 128 / global_scale, bias and LoRA.
 **LoRA.** Two launches, both graph-capturable: `lora_shrink_kernel` computes t [M, slices * r] =
 lora_scale * mask * x @ A_s.T in float32 as partial sums over K slices of at most 4096 (one block per A
 row and slice: 48 blocks for q|k|v, 80 for down), then each GEMV block sums the partials in a fixed
-order into shared memory and adds B_s[row] . t[m] in its epilogue (an r-element dot per output). With config `pdl` (or env QERL_GEMV_PDL=1) the GEMV is a
-programmatic dependent launch: it streams its weights while the shrink runs and waits for it
-(`griddepcontrol.wait`) only before the epilogue.
+order into shared memory and adds B_s[row] . t[m] in its epilogue (an r-element dot per output).
+
+**PDL** (config `pdl`, or env QERL_GEMV_PDL=1; off by default): the GEMV is a programmatic dependent
+launch of the kernel before it. With LoRA that is the shrink (launched normally, so x is complete):
+the GEMV streams weights and x while the shrink runs and waits (`griddepcontrol.wait`) only before
+its epilogue. Without LoRA it may be x's producer: each lane prefetches its first chunks into L2,
+then waits before reading x. Either way the GEMV lets its own dependents launch early (a dependent
+still waits for the whole grid before it reads y). Under CUDA graphs this needs the programmatic
+edges of CUDA 12.3+ (tested by `-m gpu`).
 
 **Build.** `torch.utils.cpp_extension.load` on first use (ninja + nvcc, about a minute), into
 $QERL_CACHE_DIR/ext (default ~/.cache/qerl/ext) under a name hashed from the sources and flags, for

@@ -7,9 +7,15 @@
 // the first; x (L1-cached) is loaded one chunk ahead. Per step: 4 decoded registers of W'' (8
 // weights), 1 MMA m16n8k16 (2 for M > 8). The warps' float32 accumulators are summed through shared
 // memory in a fixed order (deterministic, no atomics) and the epilogue applies 128 / gs, bias and
-// the LoRA expand B_s[row] . t[m], t from `lora_shrink_kernel` (launched first; with `pdl` the GEMV is
-// a programmatic dependent launch that streams its weights while the shrink runs and waits for it
-// only before the epilogue).
+// the LoRA expand B_s[row] . t[m], t from `lora_shrink_kernel` (launched first).
+//
+// PDL (programmatic dependent launch, `pdl`): the GEMV is launched as a dependent of the kernel before
+// it and lets its own dependents start at once (griddepcontrol.launch_dependents: correctness never
+// rests on the trigger, a dependent waits for the whole grid). With LoRA, its primary is the shrink,
+// launched normally (so x is complete): the GEMV streams weights and x while the shrink runs and waits
+// only before the epilogue. Without LoRA (wait_x), its primary may be x's producer: each lane
+// prefetches its first chunks' codes into L2, then waits before reading x or writing y (whose memory
+// the primary may still use).
 #include <cuda_runtime.h>
 
 #include <type_traits>
@@ -22,6 +28,10 @@ __device__ __forceinline__ void griddep_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2::evict_normal [%0];" ::"l"(p));
 }
 
 __device__ __forceinline__ void griddep_launch_dependents() {
@@ -113,6 +123,7 @@ __global__ void __launch_bounds__(256) gemv_kernel(const Params p) {
   using T = std::conditional_t<BF16, __nv_bfloat16, __half>;
   extern __shared__ float red[];  // [warp][MT][4 registers][32 lanes], then LoRA t [M][t_stride]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  griddep_launch_dependents();
   const Lane l = lane_setup(p, blockIdx.x, warp, lane, MT);
   const int nc = (p.K + kChunkK - 1) / kChunkK, nfull = p.K / kChunkK, groups = p.K >> 4;
 
@@ -121,6 +132,16 @@ __global__ void __launch_bounds__(256) gemv_kernel(const Params p) {
   for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.0f;
 
   constexpr int U = MT == 1 ? kUnroll : kUnroll / 2;  // registers: 16 rows' codes x U chunks in flight
+  if (p.wait_x) {  // PDL without LoRA: pull the first chunks into L2 (no registers), then wait for x
+    for (int u = 0; u < U; ++u) {
+      const int c = l.wk + u * p.wk;
+      if (c < nc) {
+        prefetch_l2(l.cp0 + 64 * static_cast<int64_t>(c));
+        prefetch_l2(l.cp1 + 64 * static_cast<int64_t>(c));
+      }
+    }
+    griddep_wait();
+  }
   for (int cb = l.wk; cb < nc; cb += p.wk * U) {
     if (cb + (U - 1) * p.wk < nfull) iteration<BF16, MT, ALIGNED, true, U>(acc, l, cb, p.wk, nc, nfull, groups, p.K);
     else iteration<BF16, MT, ALIGNED, false, U>(acc, l, cb, p.wk, nc, nfull, groups, p.K);

@@ -83,10 +83,12 @@ QG_HD uint32_t ld_u8(const uint8_t* p) {
 #endif
 }
 
-QG_HD uint4 ld_x16(const void* p) {  // x: every block reads it, keep it in L1
+// x: every block reads it (L1 keeps it). A plain (coherent) load, not .nc: under PDL x may be written by
+// the previous kernel until griddepcontrol.wait, and ptxas moves .nc loads above that wait.
+QG_HD uint4 ld_x16(const void* p) {
 #ifdef __CUDA_ARCH__
   uint4 v;
-  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 #else
   uint4 v;

@@ -28,6 +28,7 @@ struct Params {
   int64_t code_stride, scale_stride, x_stride, y_stride, sb0, sb1, sb2;
   int M, N, K, gs_stride, bias_kind, rank, t_stride, ks, off1, off2;  // slice 1 starts at row off1, 2 at off2
   int wr, wk;              // row tiles (16 rows) per block, warps splitting K per row tile
+  int wait_x;              // launched as a PDL secondary of the kernel that wrote x: wait before reading x
 };
 
 // t [ks, M, S * rank]: partial sums of lora_scale * mask[m] * x @ A_s.T over K slices of `kslice` k (a

@@ -40,7 +40,8 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, t
               "nvfp4_gemv_cuda: x must be bf16 or fp16");
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
-  TORCH_CHECK(M >= 1 && M <= 16 && K >= 16 && K % 16 == 0, "nvfp4_gemv_cuda: 1 <= M <= 16, K a positive multiple of 16");
+  TORCH_CHECK(M >= 1 && M <= 16 && K >= 16 && K % 16 == 0,
+              "nvfp4_gemv_cuda: 1 <= M <= 16, K a positive multiple of 16");
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 2 && packed.size(1) * 2 == K &&
                   packed.stride(1) == 1, "nvfp4_gemv_cuda: packed must be uint8 [N, K/2]");
   TORCH_CHECK(scale.scalar_type() == torch::kUInt8 && scale.dim() == 2 && scale.size(0) == N &&
@@ -83,6 +84,7 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, t
   p.wr = static_cast<int>(wr);
   p.wk = static_cast<int>(wk);
   p.off1 = p.off2 = p.N;
+  p.wait_x = pdl && lora_a.empty() ? 1 : 0;
 
   const size_t slices = lora_a.size();
   torch::Tensor t;
@@ -151,7 +153,7 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, t
     p.lb2 = lora_b[slices > 2 ? 2 : 0].data_ptr();
     p.sb2 = lora_b[slices > 2 ? 2 : 0].stride(0);
   }
-  const int err = qg::launch_gemv(p, bf16, aligned, pdl && slices > 0, stream.stream());
+  const int err = qg::launch_gemv(p, bf16, aligned, pdl, stream.stream());
   TORCH_CHECK(err == 0, "nvfp4_gemv_cuda: launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
   return y;
 }
