@@ -234,7 +234,8 @@ def test_gpu_configs_agree():
 @gpu
 @needs_cuda
 def test_gpu_matches_triton():
-    """The CUDA and Triton kernels agree within twice the criterion on the down projection, LoRA included."""
+    """The CUDA and Triton kernels agree on the down projection, LoRA included (two bf16 roundings of
+    float32 sums in different orders: a relative difference of a few 1e-3; a wrong weight gives ~1)."""
     from qerl_lib.kernels.nvfp4_gemv import nvfp4_gemv as triton_gemv
 
     gen = torch.Generator().manual_seed(11)
@@ -246,7 +247,7 @@ def test_gpu_matches_triton():
         y_c = C.nvfp4_gemv(x, p, s, gs, None, a, b, 0.5)
         y_t = triton_gemv(x, p, s, gs, None, a, b, 0.5)
         rel = float((y_c.float() - y_t.float()).norm() / y_t.float().norm())
-        assert rel < 2e-3, f"m={m}: rel {rel}"
+        assert rel < 1e-2, f"m={m}: rel {rel}"
 
 
 @gpu
