@@ -60,6 +60,8 @@ def test_header_constants_match():
     consts = dict(re.findall(r"constexpr int (\w+) = (\d+);", header))
     assert int(consts["kMaxSlices"]) == C.MAX_SLICES and int(consts["kMaxWarps"]) == C.MAX_WARPS
     assert int(consts["kMaxRank"]) == C.MAX_RANK
+    # blocks of up to MAX_WARPS warps must be launchable: the kernel's launch bound says so
+    assert "__launch_bounds__(32 * kMaxWarps) gemv_kernel" in (C.CSRC / "nvfp4_gemv.cu").read_text()
 
 
 def test_bad_inputs_fail_before_the_gpu():

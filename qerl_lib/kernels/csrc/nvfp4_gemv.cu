@@ -119,7 +119,7 @@ __device__ __forceinline__ void iteration(float (&acc)[MT][4], const Lane& l, in
 }
 
 template <bool BF16, int MT, bool ALIGNED>
-__global__ void __launch_bounds__(256) gemv_kernel(const Params p) {
+__global__ void __launch_bounds__(32 * kMaxWarps) gemv_kernel(const Params p) {
   using T = std::conditional_t<BF16, __nv_bfloat16, __half>;
   extern __shared__ float red[];  // [warp][MT][4 registers][32 lanes], then LoRA t [M][t_stride]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
