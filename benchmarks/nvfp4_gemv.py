@@ -15,10 +15,18 @@ weights). With LoRA r16 on every projection (q|k|v in 3 slices, gate|up in 2, as
 x @ A.T and one (x @ A.T) @ B.T per slice: the stock sequence) and `cublas_lora_dual` (the LoRA ops on
 a second stream, joined before the add; vLLM's VLLM_LORA_ENABLE_DUAL_STREAM).
 
+The CUDA C++ kernel (`qerl_lib.kernels.nvfp4_gemv_cuda`, rows 1..16, built on first use; its arms are
+left out, with the reason under "errors", when the extension does not build): `cuda` (`plan`'s
+configuration), `cuda_best` (the fastest of `CUDA_SWEEP`), `cuda_lora` (LoRA shrink kernel, then the
+GEMV with the expand in its epilogue) and `cuda_lora_pdl` (the same, the GEMV a programmatic dependent
+launch overlapping the shrink); `cuda_pdl`: every GEMV a programmatic dependent launch of the one
+before (it overlaps the previous call's tail: in an engine the kernel before a linear is another op,
+so this arm bounds what PDL could gain, it is not what the engine gets).
+
 Reported: ms per decode step of all linears, the share of the weight-read bound (codes + scales of the
 step / the measured device-to-device copy bandwidth, divided by the time), and the crossovers: the
-largest row count up to which `gemv` (and `gemv_best`) is faster than the best of Marlin and cuBLAS,
-without and with LoRA. One command, on a CUDA machine with torch + triton (vLLM optional):
+largest row count up to which `gemv` (`gemv_best`, `cuda`, `cuda_best`) is faster than the best of
+Marlin and cuBLAS, without and with LoRA. One command, on a CUDA machine with torch + triton (vLLM optional):
 
     python benchmarks/nvfp4_gemv.py --out benchmarks/results/nvfp4_gemv.json
 """
@@ -54,6 +62,15 @@ SWEEP = [  # alternatives to `plan` (split: None = plan's; a number = that split
     dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, split=None),
     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=4, split=None),
 ]
+
+
+CUDA_SWEEP = [dict(WR=1, WK=w) for w in (1, 2, 4, 8, 16)] + [dict(WR=2, WK=w) for w in (1, 2, 4, 8)] + [
+    dict(WR=4, WK=w) for w in (1, 2, 4)]
+"""Launch configurations of the CUDA kernel tried for `cuda_best` (row tiles per block x warps splitting K)."""
+
+
+def cuda_key(cfg: dict) -> str:
+    return "WR{WR}xWK{WK}".format(**cfg)
 
 
 def sweep_configs(m: int, n: int, k: int, sms: int) -> list[dict]:
@@ -226,6 +243,20 @@ def main() -> None:
     res["compile_s"] = precompile(list(tasks.values()), args.jobs)
     print(f"compiled {len(tasks)} kernel variants in {res['compile_s']} s ({args.jobs} processes)", flush=True)
 
+    from qerl_lib.kernels import nvfp4_gemv_cuda as C
+
+    cuda_rows = [m for m in rows if m <= C.MAX_ROWS]
+    t0 = time.perf_counter()
+    try:
+        C.load_extension()
+        res["cuda_build_s"] = round(time.perf_counter() - t0, 1)
+        res["cuda_regs"] = {f"bf16_mt{mt}": C.kernel_regs(True, mt, True) for mt in (1, 2)}
+        print(f"CUDA extension ready in {res['cuda_build_s']} s, registers {res['cuda_regs']}", flush=True)
+    except Exception as e:  # noqa: BLE001 - no nvcc / ninja: the table goes on without the CUDA arms
+        res["errors"]["cuda_build"] = repr(e)[:2000]
+        cuda_rows = []
+        print(f"CUDA extension unavailable: {e!r}"[:500], flush=True)
+
     res["copy_bandwidth"] = copy_bandwidth()
     bw = res["copy_bandwidth"]["bytes_per_s"]
     print(f"copy bandwidth {res['copy_bandwidth']['tb_per_s']} TB/s", flush=True)
@@ -252,6 +283,9 @@ def main() -> None:
         x = torch.randn(16, k, device="cuda", dtype=torch.bfloat16)
         a, b = nvfp4_gemv(x, L["p"], L["s"], gs).float(), F.linear(x, w).float()
         res["rel_diff_vs_dequantized_cublas"][g] = float((a - b).norm() / b.norm())
+        if cuda_rows:
+            c = C.nvfp4_gemv(x, L["p"], L["s"], gs).float()
+            res.setdefault("cuda_rel_diff_vs_dequantized_cublas", {})[g] = float((c - b).norm() / b.norm())
         del w
 
     side = torch.cuda.Stream()
@@ -291,6 +325,13 @@ def main() -> None:
                 torch.cuda.current_stream().wait_event(done)
                 y += z
         arms["cublas_lora_dual"] = dual
+        if m in cuda_rows:
+            arms["cuda"] = lambda: [C.nvfp4_gemv(x, L["p"], L["s"], gs) for L in ls]
+            arms["cuda_pdl"] = lambda: [C.nvfp4_gemv(x, L["p"], L["s"], gs, config={"pdl": True}) for L in ls]
+            arms["cuda_lora"] = lambda: [C.nvfp4_gemv(x, L["p"], L["s"], gs, None, L["a"], L["b"], 1.0, idx, 0)
+                                         for L in ls]
+            arms["cuda_lora_pdl"] = lambda: [C.nvfp4_gemv(x, L["p"], L["s"], gs, None, L["a"], L["b"], 1.0, idx, 0,
+                                                          config={"pdl": True}) for L in ls]
         return arms
 
     table = []
@@ -318,15 +359,37 @@ def main() -> None:
                         best = (t, cfg)
             row["ms"].setdefault("gemv_best", {})[g] = best[0]
             row["best_config"][g] = best[1]
+            if m in cuda_rows and "cuda" in row["ms"] and g in row["ms"]["cuda"]:
+                cplan = C.plan(m, n, k, sms, C.kernel_regs(True, 1 if m <= 8 else 2, True))
+                cbest = (row["ms"]["cuda"][g], cuda_key(cplan))
+                for cfg in ([] if args.no_sweep else CUDA_SWEEP):
+                    if cfg["WR"] * cfg["WK"] > C.MAX_WARPS:
+                        continue
+                    try:
+                        t = round(graph_ms(lambda: [C.nvfp4_gemv(x, L["p"], L["s"], gs, config=cfg)
+                                                    for L in layers[g]], args.reps), 4)
+                    except Exception as e:  # noqa: BLE001
+                        res["errors"][f"cuda_sweep/{g}/m{m}/{cuda_key(cfg)}"] = repr(e)[:300]
+                        continue
+                    row.setdefault("cuda_sweep_ms", {}).setdefault(g, {})[cuda_key(cfg)] = t
+                    if t < cbest[0]:
+                        cbest = (t, cuda_key(cfg))
+                row["ms"].setdefault("cuda_best", {})[g] = cbest[0]
+                row.setdefault("cuda_plan", {})[g] = cuda_key(cplan)
+                row.setdefault("cuda_best_config", {})[g] = cbest[1]
             torch.cuda.empty_cache()
         row["total_ms"] = {a: round(sum(v.values()), 4) for a, v in row["ms"].items() if len(v) == len(GROUPS)}
-        for a in ("gemv", "gemv_best", "marlin", "cublas"):
+        for a in ("gemv", "gemv_best", "cuda", "cuda_best", "cuda_pdl", "cuda_lora", "cuda_lora_pdl", "marlin",
+                  "cublas"):
             if a in row["total_ms"]:
                 row.setdefault("share_of_weight_read_bound", {})[a] = round(
                     res["nvfp4_bytes_per_step"] / bw * 1e3 / row["total_ms"][a], 3)
         if "gemv" in row["ms"]:
             row["gemv_share_by_group"] = {g: round(step_bytes[g] / bw * 1e3 / t, 3)
                                           for g, t in row["ms"]["gemv"].items()}
+        if "cuda" in row["ms"]:
+            row["cuda_share_by_group"] = {g: round(step_bytes[g] / bw * 1e3 / t, 3)
+                                          for g, t in row["ms"]["cuda"].items()}
         table.append(row)
         tm = row["total_ms"]
         print(f"rows {m:3d}: " + "  ".join(f"{a} {tm[a]:.3f}" for a in tm) + " ms/step", flush=True)
@@ -351,6 +414,10 @@ def main() -> None:
         "gemv_vs_best_of_marlin_cublas": crossover("gemv", ("marlin", "cublas")),
         "gemv_best_vs_best_of_marlin_cublas": crossover("gemv_best", ("marlin", "cublas")),
         "gemv_lora_vs_best_lora": crossover("gemv_lora", ("marlin_lora", "cublas_lora", "cublas_lora_dual")),
+        "cuda_vs_best_of_marlin_cublas": crossover("cuda", ("marlin", "cublas")),
+        "cuda_best_vs_best_of_marlin_cublas": crossover("cuda_best", ("marlin", "cublas")),
+        "cuda_lora_vs_best_lora": crossover("cuda_lora", ("marlin_lora", "cublas_lora", "cublas_lora_dual")),
+        "cuda_lora_pdl_vs_best_lora": crossover("cuda_lora_pdl", ("marlin_lora", "cublas_lora", "cublas_lora_dual")),
         "note": "largest row count such that the kernel is at least as fast at every row count up to it "
                 "(all linears of a decode step, CUDA-graph replay)",
     }
@@ -359,6 +426,10 @@ def main() -> None:
         "rows_1_share_of_weight_read_bound": first.get("share_of_weight_read_bound"),
         "rows_1_total_ms": first["total_ms"],
         "weight_read_bound_ms": round(res["nvfp4_bytes_per_step"] / bw * 1e3, 4),
+        "rows_1_ms_by_group": {a: first["ms"][a] for a in ("cuda", "cuda_best", "cuda_lora", "gemv_best", "marlin")
+                               if a in first["ms"]},
+        "cuda_target_met": (first["total_ms"].get("cuda_best", float("inf"))
+                            <= res["nvfp4_bytes_per_step"] / bw * 1e3 / 0.6),
     }
     res["seconds"] = round(time.perf_counter() - t_start, 1)
     atomic_write_json(args.out, res)

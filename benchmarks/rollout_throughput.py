@@ -28,6 +28,7 @@ sizes = the batch sizes):
               the adapter merged in (no LoRA kernels)
   nvfp4g-rR   nvfp4h with the project's NVFP4 decode GEMM (`qerl_lib.kernels.nvfp4_gemv`, LoRA fused
               in the launch) for steps of at most `--gemv-rows` sequences instead of Marlin + LoRA kernels
+              (`--gemv-kernel cuda`: the CUDA C++ kernel `nvfp4_gemv_cuda` for steps of at most 16)
   ...-ds      suffix: vLLM's LoRA kernels on a second CUDA stream (VLLM_LORA_ENABLE_DUAL_STREAM)
 "No LoRA" is measured on the rank-16 engines with requests that carry no adapter (vLLM
 captures separate CUDA graphs for batches without LoRA).
@@ -302,11 +303,12 @@ def run_engine(args) -> None:
     gemv_rows = args.gemv_rows if fmt == "nvfp4g" else None
     eng = VLLMEngine(ckpt, max_lora_rank=rank, gpu_memory_utilization=args.mem, enforce_eager=False, seed=0,
                      max_model_len=args.prompt + args.decode + 16, dense_above=dense_above, lora_dual_stream=dual,
-                     gemv_rows=gemv_rows, engine_kwargs=kwargs)
+                     gemv_rows=gemv_rows, gemv_kernel=args.gemv_kernel, engine_kwargs=kwargs)
     result["startup_seconds"] = eng.stats.startup_seconds
     result["linear_info"] = eng.rpc("qerl_linear_info")
     result["dense_above"] = dense_above
     result["gemv_rows"] = gemv_rows
+    result["gemv_kernel"] = args.gemv_kernel if gemv_rows else None
     result["gpu_memory_utilization"] = args.mem
     print(f"[{args.child}] engine up in {eng.stats.startup_seconds:.1f} s: {result['linear_info']}", flush=True)
     save()
@@ -476,7 +478,8 @@ def driver(args) -> None:
                "--deadline", str(min(deadline, time.time() + share) - 5),
                "--dense-above", str(dense_above), "--prompt", str(args.prompt), "--decode", str(args.decode),
                "--batches", args.batches, "--trials", str(args.trials), "--trials-large", str(args.trials_large),
-               "--large-batch", str(args.large_batch), "--mem", str(args.mem), "--gemv-rows", str(args.gemv_rows)]
+               "--large-batch", str(args.large_batch), "--mem", str(args.mem), "--gemv-rows", str(args.gemv_rows),
+               "--gemv-kernel", args.gemv_kernel]
         if args.loras:
             cmd += ["--loras", args.loras]
         print(f"== engine {spec} ({left:.0f} s left)", flush=True)
@@ -535,6 +538,8 @@ def main() -> None:
     p.add_argument("--mem", type=float, default=0.5, help="gpu_memory_utilization of each engine")
     p.add_argument("--dense-above", type=int, default=None, help="rows above which nvfp4h runs dense (default: profile)")
     p.add_argument("--gemv-rows", type=int, default=16, help="rows up to which nvfp4g runs the NVFP4 decode GEMM")
+    p.add_argument("--gemv-kernel", choices=("triton", "cuda"), default="triton",
+                   help="nvfp4g's decode GEMM: Triton, or the CUDA C++ kernel for steps of at most 16 rows")
     p.add_argument("--deadline-s", type=float, default=540.0, help="stop starting work after this many seconds")
     p.add_argument("--min-engine-s", type=float, default=100.0, help="start an engine only with this much time left")
     p.add_argument("--no-share", action="store_true", help="let each engine use all the time left (default: a fair share)")

@@ -160,6 +160,10 @@ class RolloutConfig(_Section):
     Marlin + vLLM's LoRA kernels. 0 (the default) keeps vLLM's path: not measured end to end on the GPU
     yet (`benchmarks/nvfp4_gemv.py` measures the crossover). Costs a GPU copy of the packed weights
     (+0.5625 bytes per quantized weight)."""
+    vllm_gemv_kernel: Literal["triton", "cuda"] = "triton"
+    """Which decode GEMM `vllm_gemv_rows` runs: `triton` (`qerl_lib.kernels.nvfp4_gemv`, up to 64 rows)
+    or `cuda` (`qerl_lib.kernels.nvfp4_gemv_cuda`, hand-written CUDA C++ built with nvcc when the
+    engine loads; steps of at most 16 rows, larger ones keep Triton). Not yet run on a GPU."""
 
 
 class RewardConfig(_Section):

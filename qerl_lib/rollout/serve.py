@@ -59,7 +59,7 @@ def vllm_command(cfg, checkpoint: Path, host: str, port: int) -> tuple[list[str]
     from qerl_lib.env import child_env
     from qerl_lib.policy import dense_above_for
     from qerl_lib.rollout.vllm_engine import EXTENSION, LOGPROBS_MODE, vllm_quantization
-    from qerl_lib.rollout.vllm_worker import DENSE_ABOVE_ENV, GEMV_ROWS_ENV
+    from qerl_lib.rollout.vllm_worker import DENSE_ABOVE_ENV, GEMV_KERNEL_ENV, GEMV_ROWS_ENV
 
     rc = cfg.rollout
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
@@ -85,6 +85,7 @@ def vllm_command(cfg, checkpoint: Path, host: str, port: int) -> tuple[list[str]
     env = child_env(extra)
     env.pop(DENSE_ABOVE_ENV, None)
     env.pop(GEMV_ROWS_ENV, None)
+    env.pop(GEMV_KERNEL_ENV, None)
     env.pop("VLLM_LORA_ENABLE_DUAL_STREAM", None)
     if dense is not None:
         env[DENSE_ABOVE_ENV] = str(int(dense))
@@ -93,6 +94,7 @@ def vllm_command(cfg, checkpoint: Path, host: str, port: int) -> tuple[list[str]
         env["VLLM_LORA_ENABLE_DUAL_STREAM"] = "1"
     if rc.vllm_gemv_rows:
         env[GEMV_ROWS_ENV] = str(int(rc.vllm_gemv_rows))
+        env[GEMV_KERNEL_ENV] = rc.vllm_gemv_kernel
         env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     if cfg.parallel.rollout_tensor_parallel > 1:
         env.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})

@@ -76,7 +76,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from qerl_lib.rollout.sampling import Completion, SamplingParams, logit_scale  # noqa: F401  (re-exported)
-from qerl_lib.rollout.vllm_worker import DENSE_ABOVE_ENV, GEMV_ROWS_ENV
+from qerl_lib.rollout.vllm_worker import DENSE_ABOVE_ENV, GEMV_KERNEL_ENV, GEMV_KERNELS, GEMV_ROWS_ENV
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,8 @@ class VLLMEngine:
     `dense_above`: sequences per decode step above which NVFP4 linears run dense with the adapter
     merged in (None: never; module doc). `lora_dual_stream`: vLLM's LoRA kernels on a second
     CUDA stream (`VLLM_LORA_ENABLE_DUAL_STREAM`). `gemv_rows`: sequences per decode step up to which
-    NVFP4 linears run `qerl_lib.kernels.nvfp4_gemv` (None/0: never). `tensor_parallel_size`: GPUs the engine spans
+    NVFP4 linears run `qerl_lib.kernels.nvfp4_gemv` (None/0: never); `gemv_kernel`: `triton` or `cuda`
+    (`qerl_lib.kernels.nvfp4_gemv_cuda` for steps of at most 16 rows). `tensor_parallel_size`: GPUs the engine spans
     (vLLM's own tensor parallelism over NCCL, NVLink multicast off); every worker then holds the
     same norms, so AQN and trained norms are written by each. `quantization`: vLLM's in-flight
     quantization of a 16-bit checkpoint (`vllm_quantization`: `bitsandbytes` for NF4), or None.
@@ -230,6 +231,7 @@ class VLLMEngine:
         enable_lora: bool = True,
         lora_dual_stream: bool = False,
         gemv_rows: int | None = None,
+        gemv_kernel: str = "triton",
         tensor_parallel_size: int = 1,
         quantization: str | None = None,
         sleep_mode: bool = True,
@@ -243,6 +245,9 @@ class VLLMEngine:
         self.dense_above = dense_above
         self.lora_dual_stream = lora_dual_stream
         self.gemv_rows = gemv_rows or None
+        if gemv_kernel not in GEMV_KERNELS:
+            raise ValueError(f"gemv_kernel must be one of {GEMV_KERNELS}, got {gemv_kernel!r}")
+        self.gemv_kernel = gemv_kernel
         self.merges_adapter = enable_lora and dense_above is not None
         """Whether the workers hold dense weights with the adapter merged in (re-merged on every swap)."""
         self.sleep_mode = sleep_mode
@@ -257,8 +262,10 @@ class VLLMEngine:
                 os.environ[DENSE_ABOVE_ENV] = str(int(dense_above))
             if self.gemv_rows is None:
                 os.environ.pop(GEMV_ROWS_ENV, None)
+                os.environ.pop(GEMV_KERNEL_ENV, None)
             else:
                 os.environ[GEMV_ROWS_ENV] = str(int(self.gemv_rows))
+                os.environ[GEMV_KERNEL_ENV] = self.gemv_kernel
             if dense_above is not None or self.gemv_rows is not None:
                 # The op changes the traced graph but not vLLM's config hash: keep its compiled
                 # artifacts apart from those of a plain engine of the same model.
@@ -432,7 +439,7 @@ class VLLMEngine:
         s = self.stats
         out = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in s.__dict__.items()}
         out.update(checkpoint=str(self.checkpoint), max_lora_rank=self.max_lora_rank, dense_above=self.dense_above,
-                   gemv_rows=self.gemv_rows, lora_dual_stream=self.lora_dual_stream,
+                   gemv_rows=self.gemv_rows, gemv_kernel=self.gemv_kernel, lora_dual_stream=self.lora_dual_stream,
                    adapter_id=None if self.lora_request is None else self.lora_request.lora_int_id,
                    adapter_version=self.slots.version, noise=list(self._noise))
         return out

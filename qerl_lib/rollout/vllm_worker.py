@@ -36,6 +36,10 @@ per step on the 7B shape, which at batch 1 costs 30% of NVFP4's speed.
   slots) instead of Marlin + the LoRA kernels, inside the same opaque ops, so CUDA graphs capture it.
   Costs a GPU copy of the packed codes and scales in compressed-tensors layout (+0.5625 bytes per
   weight; Marlin keeps its own permuted copy). Engines with `max_loras` > 1 keep vLLM's LoRA path.
+  `QERL_VLLM_GEMV_KERNEL=cuda` (`rollout.vllm_gemv_kernel`; default `triton`) runs steps of at most 16
+  rows on the CUDA C++ kernel (`qerl_lib.kernels.nvfp4_gemv_cuda`, same call, LoRA shrink + GEMV: two
+  launches), built when the model loads, before CUDA graphs are captured; larger steps up to M_g keep
+  the Triton kernel.
 """
 
 from __future__ import annotations
@@ -55,6 +59,9 @@ DENSE_ABOVE_ENV = "QERL_VLLM_DENSE_ABOVE"
 """Environment variable read in the worker at load: rows above which NVFP4 linears run dense."""
 GEMV_ROWS_ENV = "QERL_VLLM_GEMV_ROWS"
 """Environment variable read in the worker at load: rows up to which NVFP4 linears run the decode GEMM."""
+GEMV_KERNEL_ENV = "QERL_VLLM_GEMV_KERNEL"
+"""Environment variable read in the worker at load: `triton` (default) or `cuda` (rows <= 16)."""
+GEMV_KERNELS = ("triton", "cuda")
 PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 """vLLM's fused projections and their HF/PEFT parts (used when the model lists none)."""
 
@@ -163,6 +170,27 @@ def gemv_rows_from_env() -> int | None:
     return rows
 
 
+def gemv_kernel_from_env() -> str:
+    """`QERL_VLLM_GEMV_KERNEL` (`triton` when unset or empty); anything else than `GEMV_KERNELS` is refused."""
+    raw = os.environ.get(GEMV_KERNEL_ENV, "").strip().lower() or "triton"
+    if raw not in GEMV_KERNELS:
+        raise ValueError(f"{GEMV_KERNEL_ENV}={raw}: one of {GEMV_KERNELS}")
+    return raw
+
+
+def gemv_function(rows: int, kernel: str):
+    """The decode GEMM for a step of `rows` rows: the CUDA kernel when `kernel` is `cuda` and it serves
+    that many rows, else the Triton one (same signature and semantics)."""
+    if kernel == "cuda":
+        from qerl_lib.kernels import nvfp4_gemv_cuda
+
+        if rows <= nvfp4_gemv_cuda.MAX_ROWS:
+            return nvfp4_gemv_cuda.nvfp4_gemv
+    from qerl_lib.kernels.nvfp4_gemv import nvfp4_gemv
+
+    return nvfp4_gemv
+
+
 def partition_scales(global_scales: torch.Tensor, widths: list[int]) -> torch.Tensor:
     """float32 [N]: each output row's compressed-tensors global scale (one per fused partition), as
     `dequantize_partitions` applies them."""
@@ -221,7 +249,7 @@ def adapter_deltas(adapter_dir: str | Path) -> tuple[dict[str, torch.Tensor], fl
 # ============================================================================ NVFP4 regimes (patches)
 
 _STATE: dict[str, Any] = {"installed": False, "layers": [], "lora": {}, "threshold": None, "orig_apply": None,
-                          "adapter": None, "gemv_rows": 0}
+                          "adapter": None, "gemv_rows": 0, "gemv_kernel": "triton"}
 """Worker-process state: hybrid layers (method, layer) by index, LoRA wrappers by the same index,
 the row threshold (dense above it), vLLM's original `CompressedTensorsLinearMethod.apply`, the merged
 adapter, the rows up to which the decode GEMM runs (0: never)."""
@@ -288,10 +316,8 @@ def install_patches() -> bool:
         method, layer = _STATE["layers"][index]
         rows = x.numel() // x.shape[-1]
         if rows <= _STATE["gemv_rows"] and x.dtype in (torch.bfloat16, torch.float16):
-            from qerl_lib.kernels.nvfp4_gemv import nvfp4_gemv
-
             packed, scale, gs, bias = layer.qerl_gemv
-            return nvfp4_gemv(x, packed, scale, gs, bias if with_bias else None)
+            return gemv_function(rows, _STATE["gemv_kernel"])(x, packed, scale, gs, bias if with_bias else None)
         if rows <= _STATE["threshold"]:
             return orig_apply(method, layer, x, layer.bias if with_bias else None)
         return F.linear(x, layer.qerl_dense_weight, layer.qerl_dense_bias if with_bias else None)
@@ -308,11 +334,10 @@ def install_patches() -> bool:
         rows = x.numel() // x.shape[-1]
         lora = _gemv_lora(wrapper) if rows <= _STATE["gemv_rows"] and x.dtype == base.params_dtype else None
         if lora is not None:  # base + LoRA in one launch; rows whose token carries no adapter get none
-            from qerl_lib.kernels.nvfp4_gemv import nvfp4_gemv
-
             packed, scale, gs, bias = base.qerl_gemv
             a, b, slots = lora
-            return nvfp4_gemv(x, packed, scale, gs, bias if with_bias else None, a, b, 1.0, slots, 0)
+            return gemv_function(rows, _STATE["gemv_kernel"])(x, packed, scale, gs, bias if with_bias else None,
+                                                              a, b, 1.0, slots, 0)
         if rows <= _STATE["threshold"]:
             _Reentry.active = True
             try:  # vLLM's own LoRA layer: Marlin (through the op above) + LoRA kernels
@@ -329,6 +354,7 @@ def install_patches() -> bool:
     def process_weights_after_loading(self, layer):
         threshold = dense_above_from_env()
         gemv_rows = gemv_rows_from_env()
+        gemv_kernel = gemv_kernel_from_env()
         dense = bias = host = gemv = None
         if gemv_rows is not None and _is_nvfp4_a16(layer):
             from qerl_lib.kernels.nvfp4_gemv import counters
@@ -339,6 +365,10 @@ def install_patches() -> bool:
                     partition_scales(layer.weight_global_scale.data, widths),
                     None if b is None else b.detach().clone())  # compressed-tensors layout, before Marlin
             counters(layer.weight_packed.device)  # allocated now, eagerly: CUDA-graph capture comes later
+            if gemv_kernel == "cuda":
+                from qerl_lib.kernels.nvfp4_gemv_cuda import load_extension
+
+                load_extension()  # built (or loaded from its cache) now, not inside a graph capture
         if threshold is not None and _is_nvfp4_a16(layer):
             widths = list(getattr(layer, "logical_widths", None) or [layer.weight_packed.shape[0]])
             host = (_host_copy(layer.weight_packed.data), _host_copy(layer.weight_scale.data),
@@ -358,6 +388,7 @@ def install_patches() -> bool:
             _STATE["layers"].append((self, layer))
             _STATE["threshold"] = threshold if threshold is not None else sys.maxsize  # None: never dense
             _STATE["gemv_rows"] = gemv_rows or 0
+            _STATE["gemv_kernel"] = gemv_kernel
 
     def apply(self, layer, x, bias=None):
         index = getattr(layer, "qerl_hybrid_index", None)
@@ -560,6 +591,7 @@ class AQNWorkerExtension:
         return {"kernels": kernels, "hybrid_layers": len(_STATE["layers"]), "merged_lora_layers": len(_STATE["lora"]),
                 "threshold": None if threshold == sys.maxsize else threshold, "dense_bytes": dense_bytes,
                 "host_bytes": host_bytes, "gemv_rows": _STATE["gemv_rows"], "gemv_bytes": gemv_bytes,
+                "gemv_kernel": _STATE["gemv_kernel"],
                 "merged_adapter": _STATE["adapter"],
                 "lora_dual_stream": os.environ.get("VLLM_LORA_ENABLE_DUAL_STREAM", "0") == "1"}
 
@@ -589,9 +621,7 @@ class AQNWorkerExtension:
             b = torch.nn.functional.linear(x, dense).float()
             worst = max(worst, float((a - b).norm() / b.norm().clamp_min(1e-12)))
             if layer.qerl_gemv is not None:
-                from qerl_lib.kernels.nvfp4_gemv import nvfp4_gemv
-
-                c = nvfp4_gemv(x[: min(rows, 64)], *layer.qerl_gemv[:3]).float()
+                c = gemv_function(rows, _STATE["gemv_kernel"])(x[: min(rows, 64)], *layer.qerl_gemv[:3]).float()
                 ref = b[: c.shape[0]]
                 worst_gemv = max(worst_gemv, float((c - ref).norm() / ref.norm().clamp_min(1e-12)))
         return {"layers": len(_STATE["layers"]), "max_rel_diff": worst, "max_rel_diff_gemv": worst_gemv}

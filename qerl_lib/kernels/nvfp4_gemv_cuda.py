@@ -1,0 +1,330 @@
+"""NVFP4 W4A16 decode GEMM for 1..16 rows, hand-written CUDA (`csrc/nvfp4_gemv.cu`): the same function as
+`qerl_lib.kernels.nvfp4_gemv.nvfp4_gemv` (signature, semantics, errors), built at first use.
+
+    y [M, N] = x [M, K] @ W.T (+ bias) (+ lora_scale * (x @ A.T) @ B.T, rows masked by lora_index == lora_slot)
+
+W = e2m1 * scale / global_scale in the compressed-tensors layout (`qerl_lib.nvfp4`).
+
+**Kernel.** A warp owns 16 output rows (one MMA m16n8k16 tile; the x rows, padded to 8 or 16, are the
+MMA's N side) and a share of K: chunks of 128 k, where each lane loads 16 bytes of codes (32 k, two
+scale groups) and 2 bytes of FP8 scales per row, four chunks in flight before the first is used
+(`ld.global.nc.L1::no_allocate`: codes bypass L1, which keeps x). A nibble pair becomes a bf16 (fp16)
+pair with prmt, two masks and a shift (e2m1 * 2**-126), times the group's scale * 2**119 in one packed
+multiply: W'' = e2m1 * fp8 * 2**-7 exactly; the K order inside a lane is permuted identically for W
+and x, so x enters the MMA as its own contiguous pairs. About 22 instructions per MMA step (8
+weights per lane), whatever M up to 8. A block is WR row tiles x WK warps splitting K; the warps'
+float32 accumulators are summed through shared memory in a fixed order (deterministic, no atomics,
+no counters), and the epilogue applies 128 / global_scale, bias and LoRA.
+
+**LoRA.** Two launches, both graph-capturable: `lora_shrink_kernel` computes t [M, slices * r] =
+lora_scale * mask * x @ A_s.T in float32 as partial sums over K slices of at most 4096 (one block per A
+row and slice: 48 blocks for q|k|v, 80 for down), then each GEMV block sums the partials in a fixed
+order into shared memory and adds B_s[row] . t[m] in its epilogue (an r-element dot per output).
+
+**PDL** (config `pdl`, or env QERL_GEMV_PDL=1; off by default): the GEMV is a programmatic dependent
+launch of the kernel before it. With LoRA that is the shrink (launched normally, so x is complete):
+the GEMV streams weights and x while the shrink runs and waits (`griddepcontrol.wait`) only before
+its epilogue. Without LoRA it may be x's producer: each lane prefetches its first chunks into L2,
+then waits before reading x. Either way the GEMV lets its own dependents launch early (a dependent
+still waits for the whole grid before it reads y). Under CUDA graphs this needs the programmatic
+edges of CUDA 12.3+ (tested by `-m gpu`).
+
+**Build.** `torch.utils.cpp_extension.load` on first use (ninja + nvcc, about a minute), into
+$QERL_CACHE_DIR/ext (default ~/.cache/qerl/ext) under a name hashed from the sources and flags, for
+the current GPU's architecture (override: QERL_CUDA_ARCH=90). `load_extension()` raises a
+RuntimeError naming nvcc, the arch and the build folder when that fails.
+
+Tests: tests/test_nvfp4_gemv_cuda.py (CPU: `plan`, argument errors and the kernel's per-lane code
+replayed on the CPU by csrc/nvfp4_gemv_host_test.cu; `-m gpu`: the GPU checks); timing: the `cuda`
+and `cuda_lora` arms of benchmarks/nvfp4_gemv.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+MAX_ROWS = 16
+"""Largest M served (two MMA n-tiles of 8)."""
+MAX_SLICES = 3
+"""Most LoRA output slices (q|k|v)."""
+MAX_WARPS = 16
+"""Warps per block (WR x WK), as compiled."""
+MAX_RANK = 64
+"""Largest LoRA rank (t [M, slices * rank] is staged in shared memory)."""
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = ("nvfp4_gemv.cu", "nvfp4_gemv_bind.cpp")
+HEADERS = ("nvfp4_gemv.h", "nvfp4_gemv.cuh")
+PDL_ENV = "QERL_GEMV_PDL"
+
+_EXT = None
+_SMS: dict[int, int] = {}
+_REGS: dict[tuple, int] = {}
+
+
+def cache_dir() -> Path:
+    """$QERL_CACHE_DIR/ext, else ~/.cache/qerl/ext."""
+    root = os.environ.get("QERL_CACHE_DIR")
+    return (Path(root) if root else Path.home() / ".cache" / "qerl") / "ext"
+
+
+def _arch() -> str:
+    env = os.environ.get("QERL_CUDA_ARCH", "").strip().replace(".", "")
+    if env:
+        return env
+    major, minor = torch.cuda.get_device_capability()
+    return f"{major}{minor}"
+
+
+def build_flags(arch: str) -> tuple[list[str], list[str]]:
+    """(nvcc flags, host compiler flags) for sm_`arch` (machine code, plus PTX for newer GPUs)."""
+    cuda = ["-O3", "-std=c++17", f"-gencode=arch=compute_{arch},code=sm_{arch}",
+            f"-gencode=arch=compute_{arch},code=compute_{arch}", "-Xptxas=-warn-spills", "-lineinfo"]
+    return cuda, ["-O3"]  # the host compiler keeps torch's own -std
+
+
+def load_extension(verbose: bool | None = None):
+    """The compiled extension (built once per process, cached on disk across processes)."""
+    global _EXT
+    if _EXT is not None:
+        return _EXT
+    if not torch.cuda.is_available():
+        raise RuntimeError("nvfp4_gemv_cuda needs a CUDA GPU and a CUDA build of torch (nvcc compiles "
+                           f"csrc/{SOURCES[0]} at first use); torch {torch.__version__} sees none")
+    from torch.utils import cpp_extension
+
+    arch = _arch()
+    cuda_flags, cflags = build_flags(arch)
+    digest = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        digest.update((CSRC / name).read_bytes())
+    digest.update(" ".join(cuda_flags + cflags + [torch.__version__, str(torch.version.cuda)]).encode())
+    name = f"qerl_nvfp4_gemv_{digest.hexdigest()[:12]}"
+    build = cache_dir() / name
+    build.mkdir(parents=True, exist_ok=True)
+    if verbose is None:
+        verbose = os.environ.get("QERL_EXT_VERBOSE", "") not in ("", "0")
+    try:
+        _EXT = cpp_extension.load(name=name, sources=[str(CSRC / s) for s in SOURCES],
+                                  extra_include_paths=[str(CSRC)], extra_cuda_cflags=cuda_flags,
+                                  extra_cflags=cflags, build_directory=str(build), verbose=verbose)
+    except Exception as e:  # noqa: BLE001 - any build failure gets the same explanation
+        raise RuntimeError(
+            f"nvfp4_gemv_cuda: building the CUDA extension failed (nvcc from CUDA_HOME="
+            f"{cpp_extension.CUDA_HOME}, arch sm_{arch}, build folder {build}; needs ninja and nvcc matching "
+            f"torch's CUDA {torch.version.cuda}; QERL_CUDA_ARCH overrides the arch, QERL_EXT_VERBOSE=1 shows "
+            f"the compiler's output): {type(e).__name__}: {e}") from e
+    return _EXT
+
+
+def available() -> bool:
+    """Whether the extension is (or can be) built here; never raises."""
+    try:
+        load_extension()
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _num_sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def kernel_regs(bf16: bool, mt: int, aligned: bool) -> int:
+    """Registers per thread of a compiled GEMV variant (the occupancy input of `plan`)."""
+    key = (bf16, mt, aligned)
+    if key not in _REGS:
+        _REGS[key] = int(load_extension().kernel_regs(bf16, mt, aligned))
+    return _REGS[key]
+
+
+def plan(m: int, n: int, k: int, num_sms: int = 132, regs: int = 112) -> dict:
+    """Launch configuration of an M x N x K call (memoised); `config` of `nvfp4_gemv` overrides it.
+
+    WR = 1 row tile (16 rows) per block; WK warps split K (chunks of 128 k, dealt round-robin). The
+    choice of WK in (16, 8, 4, 2, 1), at most the chunk count: blocks of 32 WK threads at `regs`
+    registers fit `per_sm` = min(2048 / threads, 65536 / (threads * regs)) to an SM; score =
+    balance * saturation, where balance is (blocks per SM) / ceil(blocks per SM) (of the slots when
+    there are several waves: their fill), and saturation min(1, resident warps per SM / 8) (8 warps
+    keep about 32 KB of codes in flight per SM, the latency-bandwidth product); ties go to fewer
+    waves, then more warps per block (fewer chunks per warp: all its loads in one round). On the 7B
+    shapes at M <= 8 and 112 registers: q|k|v 4, o 8, gate|up 1 (one wave of 18 one-warp
+    blocks per SM), down 8. MT = n-tiles of 8 x rows; U = chunks in flight.
+    """
+    return dict(_plan(m, n, k, num_sms, regs))
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(m: int, n: int, k: int, num_sms: int, regs: int) -> tuple:
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"nvfp4_gemv_cuda serves 1 to {MAX_ROWS} rows, got {m}")
+    tiles = math.ceil(n / 16)
+    chunks = math.ceil(k / 128)
+    regs_alloc = max(8, math.ceil(regs / 8) * 8)
+    best = None
+    for wk in (16, 8, 4, 2, 1):
+        if wk > max(1, chunks):
+            continue
+        threads = 32 * wk
+        per_sm = min(2048 // threads, 65536 // (threads * regs_alloc), 32)
+        if per_sm < 1:
+            continue
+        slots = per_sm * num_sms
+        waves = math.ceil(tiles / slots)
+        if waves > 1:
+            balance = tiles / (waves * slots)
+        else:
+            balance = (tiles / num_sms) / math.ceil(tiles / num_sms)
+        resident = min(per_sm, math.ceil(tiles / num_sms)) * wk
+        score = round(balance * min(1.0, resident / 8), 3)
+        key = (score, -waves, wk)
+        if best is None or key > best[0]:
+            best = (key, dict(WR=1, WK=wk, threads=threads, blocks=tiles, waves=waves, score=score))
+    cfg = best[1]
+    cfg["MT"] = 1 if m <= 8 else 2
+    cfg["U"] = 4 if m <= 8 else 2
+    return tuple(sorted(cfg.items()))
+
+
+def _aligned16(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+
+
+def nvfp4_gemv(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    lora_a: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    lora_b: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    lora_scale: float = 1.0,
+    lora_index: torch.Tensor | None = None,
+    lora_slot: int = 0,
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ W.T (+ bias) (+ lora_scale * (x @ A.T) @ B.T) in x.dtype (CUDA kernel).
+
+    Arguments as `qerl_lib.kernels.nvfp4_gemv.nvfp4_gemv`, with at most `MAX_ROWS` rows:
+    - x: bf16 or fp16 [..., K]; packed: uint8 [N, K/2] (low nibble = even k); scale: float8_e4m3fn (or its
+      uint8 view) [N, K/16]; global_scale: float32 [1] or [N]; K % 16 == 0;
+    - bias: [N] (float32, bf16 or fp16; other dtypes are cast to float32) or None, added in float32;
+    - lora_a: [r, K] or up to 3 slices; lora_b: [N, r] or one [n_i, r] per slice, sum(n_i) = N; x.dtype;
+    - lora_index: integer [>= M]: row m gets the LoRA term only if lora_index[m] == lora_slot.
+    `config` overrides `plan`: WR (row tiles per block), WK (warps splitting K), pdl (bool).
+    """
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"nvfp4_gemv needs bf16 or fp16 activations, got {x.dtype}")
+    lead, k = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k)
+    m, n = x2.shape[0], packed.shape[0]
+    if m > MAX_ROWS:
+        raise ValueError(f"nvfp4_gemv_cuda serves at most {MAX_ROWS} rows, got {m}")
+    if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] * 2 != k or k % 16 or k == 0:
+        raise ValueError(f"packed {tuple(packed.shape)} {packed.dtype} does not match K={k} "
+                         "(uint8 [N, K/2], K a positive multiple of 16)")
+    if scale.shape != (n, k // 16):
+        raise ValueError(f"scale {tuple(scale.shape)} does not match [N, K/16] = [{n}, {k // 16}]")
+    if scale.dtype not in (torch.uint8, torch.float8_e4m3fn):
+        raise ValueError(f"scale must be float8_e4m3fn or its uint8 view, got {scale.dtype}")
+    scale = scale if scale.dtype == torch.uint8 else scale.view(torch.uint8)
+    if global_scale.numel() not in (1, n):
+        raise ValueError(f"global_scale must have 1 or N={n} elements, got {global_scale.numel()}")
+    if packed.device != x.device or scale.device != x.device or (bias is not None and bias.device != x.device):
+        raise ValueError("x, packed, scale and bias must be on one device")
+    if bias is not None and bias.numel() != n:
+        raise ValueError(f"bias must have N={n} elements, got {bias.numel()}")
+    a_list, b_list = ([] if t is None else [t] if isinstance(t, torch.Tensor) else list(t) for t in (lora_a, lora_b))
+    if a_list:
+        if len(a_list) != len(b_list) or not 1 <= len(a_list) <= MAX_SLICES:
+            raise ValueError(f"LoRA needs 1 to {MAX_SLICES} (A, B) slices, got {len(a_list)} A and {len(b_list)} B")
+        rank = a_list[0].shape[0]
+        if not 1 <= rank <= MAX_RANK:
+            raise ValueError(f"LoRA rank must be 1..{MAX_RANK}, got {rank}")
+        for a, b in zip(a_list, b_list):
+            if a.shape != (rank, k) or b.dim() != 2 or b.shape[1] != rank or a.dtype != x.dtype or b.dtype != x.dtype:
+                raise ValueError(f"LoRA slices must be A [{rank}, {k}] and B [n_i, {rank}] in {x.dtype}")
+            if a.stride(-1) != 1 or b.stride(-1) != 1 or a.device != x.device or b.device != x.device:
+                raise ValueError("LoRA A and B need a contiguous last dimension, on x's device")
+        if sum(b.shape[0] for b in b_list) != n:
+            raise ValueError(f"LoRA B slices cover {sum(b.shape[0] for b in b_list)} rows, W has {n}")
+        if lora_index is not None and lora_index.numel() < m:
+            raise ValueError(f"lora_index has {lora_index.numel()} entries for {m} rows")
+    if not x.is_cuda:
+        raise RuntimeError("nvfp4_gemv_cuda runs on CUDA tensors only (qerl_lib.kernels.nvfp4_gemv has the "
+                           "Triton kernel, whose interpreter runs on the CPU)")
+    if m == 0 or n == 0:
+        return torch.empty((*lead, n), dtype=x.dtype, device=x.device)
+
+    # layouts the kernel reads with vector loads: copies only for unusual strides or offsets
+    if x2.stride(-1) != 1 or not _aligned16(x2):
+        x2 = x2.contiguous() if _aligned16(x2.contiguous()) else x2.clone(memory_format=torch.contiguous_format)
+    if packed.stride(-1) != 1 or packed.data_ptr() % 8 or packed.stride(0) % 8:
+        packed = packed.clone(memory_format=torch.contiguous_format)
+    if scale.stride(-1) != 1:
+        scale = scale.contiguous()
+    aligned = (_aligned16(packed) and scale.data_ptr() % 2 == 0 and scale.stride(0) % 2 == 0)
+    gs = global_scale.reshape(-1).to(device=x.device, dtype=torch.float32).contiguous()
+    if bias is not None:
+        bias = bias.reshape(-1)
+        if bias.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            bias = bias.float()
+        bias = bias.contiguous()
+    a_list = [a if _aligned16(a) else a.clone(memory_format=torch.contiguous_format) for a in a_list]
+    idx = None
+    if a_list and lora_index is not None:
+        idx = lora_index.reshape(-1)
+        if idx.dtype not in (torch.int32, torch.int64) or not idx.is_contiguous():
+            idx = idx.to(torch.int64).contiguous()
+        if idx.device != x.device:
+            raise ValueError("lora_index must be on x's device")
+
+    with torch.cuda.device(x.device):
+        ext = load_extension()
+        if config is None or "WK" not in config:
+            cfg = plan(m, n, k, _num_sms(x.device), kernel_regs(x.dtype == torch.bfloat16, 1 if m <= 8 else 2, aligned))
+        else:
+            cfg = {}
+        cfg.update(config or {})
+        wr, wk = int(cfg.get("WR", 1)), int(cfg["WK"])
+        if wr < 1 or wk < 1 or wr * wk > MAX_WARPS:
+            raise ValueError(f"config WR={wr} x WK={wk} must be 1..{MAX_WARPS} warps")
+        pdl = bool(cfg.get("pdl", os.environ.get(PDL_ENV, "") not in ("", "0")))
+        y = ext.gemv(x2, packed, scale, gs, bias, a_list, b_list, float(lora_scale), idx, int(lora_slot),
+                     wr, wk, aligned, pdl)
+    return y.reshape(*lead, n)
+
+
+_OP = None
+
+
+def register_op():
+    """Define `torch.ops.qerl.nvfp4_gemv_cuda` once (the signature of `nvfp4_gemv`, LoRA slices as lists,
+    empty = none) and return it. Opaque to torch.compile; CUDA graphs capture its one or two kernels."""
+    global _OP
+    if _OP is not None:
+        return _OP
+
+    @torch.library.custom_op("qerl::nvfp4_gemv_cuda", mutates_args=())
+    def nvfp4_gemv_cuda_op(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
+                           bias: torch.Tensor | None, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
+                           lora_scale: float, lora_index: torch.Tensor | None, lora_slot: int) -> torch.Tensor:
+        return nvfp4_gemv(x, packed, scale, global_scale, bias, lora_a or None, lora_b or None, lora_scale,
+                          lora_index, lora_slot)
+
+    @nvfp4_gemv_cuda_op.register_fake
+    def _(x, packed, scale, global_scale, bias, lora_a, lora_b, lora_scale, lora_index, lora_slot):
+        return x.new_empty((*x.shape[:-1], packed.shape[0]))
+
+    _OP = nvfp4_gemv_cuda_op
+    return _OP

@@ -1,0 +1,392 @@
+"""NVFP4 decode GEMM in CUDA C++ (qerl_lib.kernels.nvfp4_gemv_cuda) against the float32 dequantized reference.
+
+The criterion is tests/test_nvfp4_gemv.py's (`within`): |y - ref| <= 1 ulp of ref in the output dtype +
+2**-20 of sum |x| |W| + 2**-16 of the LoRA term's absolute sum, ref in float64 from `dequantize_nvfp4`.
+
+- CPU: `plan` on the 7B shapes, argument errors raised before any GPU work, the build error without a
+  GPU, and the kernel's per-lane code replayed on the CPU (csrc/nvfp4_gemv_host_test.cu, built with
+  nvcc when there is one: every row count 1..16, K tails, misaligned rows, per-row global scales, bias,
+  LoRA over 1-3 slices with row slots, all-max / zero / subnormal-scale codes, fp16; mutations of the
+  decode's selector, the scale group, the B fragment order or the accumulator slot each fail 32 of its
+  35 cases, a wrong group index in the tail loads the 5 K-tail cases).
+- GPU (`-m gpu`): the Qwen2.5-7B shapes at every row count 1..16 with and without LoRA (3, 1 and 2
+  slices), adversarial codes, K tails and misaligned rows, launch configurations, fp16, int32 slots,
+  NaN-poisoned outputs, bit-identical repeats, CUDA-graph capture and replay (with and without PDL),
+  agreement with the Triton kernel, `opcheck` of `qerl::nvfp4_gemv_cuda`.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from test_nvfp4_gemv import QWEN, _poison, make_weight, reference, within
+
+from qerl_lib.kernels import nvfp4_gemv_cuda as C
+
+ROWS = list(range(1, C.MAX_ROWS + 1))
+
+
+# ---------------------------------------------------------------------------------------
+# CPU
+# ---------------------------------------------------------------------------------------
+
+
+def test_plan_on_the_7b_shapes():
+    """At M <= 8 (112 registers): q|k|v 4 warps per block (288 tiles would need two waves of 8-warp
+    blocks), o and down 8, gate|up 1 (2368 one-warp blocks: one wave of 18 per SM); one row tile per
+    block, blocks = 16-row tiles. At 120 registers gate|up would need two waves of one-warp blocks: 8."""
+    want = {"qkv": 4, "o": 8, "gate_up": 1, "down": 8}
+    for name, (n, k, _) in QWEN.items():
+        for m in (1, 8):
+            cfg = C.plan(m, n, k, 132, 112)
+            assert cfg["WK"] == want[name], (name, cfg)
+            assert cfg["WR"] == 1 and cfg["blocks"] == -(-n // 16) and cfg["threads"] == 32 * cfg["WK"]
+            assert cfg["MT"] == 1 and cfg["U"] == 4
+    assert C.plan(1, 37888, 3584, 132, 120)["WK"] == 8
+    cfg = C.plan(16, 3584, 3584, 132, 128)
+    assert cfg["MT"] == 2 and cfg["U"] == 2 and 1 <= cfg["WK"] <= C.MAX_WARPS
+    assert C.plan(1, 40, 80, 132)["WK"] == 1  # one chunk of K: one warp
+    with pytest.raises(ValueError):
+        C.plan(17, 64, 128)
+
+
+def test_header_constants_match():
+    header = (C.CSRC / "nvfp4_gemv.h").read_text()
+    consts = dict(re.findall(r"constexpr int (\w+) = (\d+);", header))
+    assert int(consts["kMaxSlices"]) == C.MAX_SLICES and int(consts["kMaxWarps"]) == C.MAX_WARPS
+    assert int(consts["kMaxRank"]) == C.MAX_RANK
+    # blocks of up to MAX_WARPS warps must be launchable: the kernel's launch bound says so
+    assert "__launch_bounds__(32 * kMaxWarps) gemv_kernel" in (C.CSRC / "nvfp4_gemv.cu").read_text()
+
+
+def test_bad_inputs_fail_before_the_gpu():
+    """The same ValueErrors as the Triton wrapper, raised on CPU tensors before anything is built; a valid
+    CPU call says CUDA tensors only."""
+    gen = torch.Generator().manual_seed(0)
+    p, s, gs = make_weight(64, 128, "random", gen)
+    x = torch.randn(3, 128, generator=gen).to(torch.bfloat16)
+    a = torch.randn(4, 128, generator=gen).to(torch.bfloat16)
+    b = torch.randn(64, 4, generator=gen).to(torch.bfloat16)
+    for fn in (lambda: C.nvfp4_gemv(torch.randn(17, 128).to(torch.bfloat16), p, s, gs),  # too many rows
+               lambda: C.nvfp4_gemv(x.float(), p, s, gs),  # float32 activations
+               lambda: C.nvfp4_gemv(x, p, s, gs, None, a, b[:60]),  # B rows != N
+               lambda: C.nvfp4_gemv(x, p, s[:, :4], gs),  # scale shape
+               lambda: C.nvfp4_gemv(x, p, s, torch.ones(3)),  # global scale size
+               lambda: C.nvfp4_gemv(x, p[:, :32], s, gs),  # packed width
+               lambda: C.nvfp4_gemv(x, p, s, gs, None, [a, a, a, a], [b[:16]] * 4),  # 4 slices
+               lambda: C.nvfp4_gemv(x, p, s, gs, None, a, b, 1.0, torch.zeros(2, dtype=torch.long)),  # index
+               lambda: C.nvfp4_gemv(x, p, s, gs, torch.zeros(63)),  # bias size
+               lambda: C.nvfp4_gemv(x, p, s, gs, None, torch.zeros(65, 128, dtype=torch.bfloat16),
+                                    torch.zeros(64, 65, dtype=torch.bfloat16))):  # rank 65
+        with pytest.raises(ValueError):
+            fn()
+    with pytest.raises(RuntimeError, match="CUDA tensors"):
+        C.nvfp4_gemv(x, p, s, gs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error path of a machine without a GPU")
+def test_load_extension_without_a_gpu_names_nvcc():
+    with pytest.raises(RuntimeError, match="nvcc"):
+        C.load_extension()
+    assert C.available() is False
+
+
+def test_build_flags_target_the_arch():
+    cuda, host = C.build_flags("90")
+    assert "-gencode=arch=compute_90,code=sm_90" in cuda and "-O3" in cuda and "-O3" in host
+    assert not any("fast_math" in f for f in cuda)  # the epilogue's division and subnormal scales stay exact
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CPU run of the kernel's per-lane code)")
+def test_host_emulation_of_the_kernel(tmp_path: Path):
+    exe = tmp_path / "qg_host_test"
+    build = subprocess.run(["nvcc", "-std=c++17", "-O1", "-o", str(exe), str(C.CSRC / "nvfp4_gemv_host_test.cu")],
+                           capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    last = run.stdout.strip().splitlines()[-1]
+    assert run.returncode == 0 and re.fullmatch(r"\d+ passed, 0 failed", last), run.stdout[-3000:]
+
+
+# ---------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def run_case(m, n, k, kind, lora, per_row_gs, index, gen, dtype=torch.bfloat16, config=None, misalign=False,
+             bias_dtype=None, index_dtype=torch.long):
+    """One call on the GPU and its reference check; returns (ok, detail, y)."""
+    p, s, gs = make_weight(n, k, kind, gen, per_row_gs)
+    x = (torch.randn(m, k, generator=gen) * (4.0 if kind == "subnormal" else 1.0)).to(dtype)
+    bias = torch.randn(n, generator=gen).to(bias_dtype or dtype)
+    a_list = b_list = idx = rows = None
+    scale = 0.75
+    if lora is not None:
+        rank, widths = lora
+        a_list = [(torch.randn(rank, k, generator=gen) * 0.1).to(dtype) for _ in widths]
+        b_list = [(torch.randn(wd, rank, generator=gen) * 0.1).to(dtype) for wd in widths]
+        if index:
+            idx = torch.randint(-1, 2, (m + 5,), generator=gen).to(index_dtype)
+            rows = idx[:m] == 0
+    ref = reference(x, p, s, gs, bias.float(), None if lora is None else (a_list, b_list, scale, rows))
+    P = p.cuda()
+    if misalign:  # rows 8 bytes off a 16-byte boundary: the kernel's 8-byte path
+        big = torch.zeros(n, k // 2 + 8, dtype=torch.uint8, device="cuda")
+        big[:, 8:] = P
+        P = big[:, 8:]
+    cu = lambda t: None if t is None else t.cuda()  # noqa: E731
+    y = C.nvfp4_gemv(x.cuda(), P, s.cuda(), gs.cuda(), bias.cuda(), None if a_list is None else [cu(a) for a in a_list],
+                     None if b_list is None else [cu(b) for b in b_list], scale, cu(idx), 0, config=config)
+    torch.cuda.synchronize()
+    ok, detail = within(y, *ref)
+    return ok and y.shape == (m, n) and y.dtype == dtype and bool(torch.isfinite(y).all()), detail, y
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("shape", list(QWEN))
+def test_gpu_every_row_count(shape, lora):
+    """Every M in 1..16 on the 7B shape: within bf16 rounding of the float32 reference, every output
+    written (NaN-poisoned first), a repeat bit-identical."""
+    from qerl_lib.nvfp4 import dequantize_nvfp4
+
+    n, k, widths = QWEN[shape]
+    gen = torch.Generator().manual_seed(n + k + lora)
+    p, s, _ = make_weight(n, k, "codes", gen)
+    P, S, GS = p.cuda(), s.cuda(), torch.tensor([150.0], device="cuda")
+    rank = 16
+    A = [(torch.randn(rank, k, generator=gen) * 0.05).to("cuda", torch.bfloat16) for _ in widths] if lora else None
+    B = [(torch.randn(w, rank, generator=gen) * 0.05).to("cuda", torch.bfloat16) for w in widths] if lora else None
+    Wd = dequantize_nvfp4(P, S, GS, torch.float32).double()
+    failures = []
+    for m in ROWS:
+        x = torch.randn(m, k, generator=gen).to("cuda", torch.bfloat16)
+        idx = torch.randint(-1, 1, (m,), generator=gen).cuda() if lora else None
+        _poison()
+        y = C.nvfp4_gemv(x, P, S, GS, None, A, B, 1.0, idx, 0)
+        y2 = C.nvfp4_gemv(x, P, S, GS, None, A, B, 1.0, idx, 0)
+        torch.cuda.synchronize()
+        xd = x.double()
+        ref, bound = xd @ Wd.T, xd.abs() @ Wd.abs().T
+        lb = torch.zeros_like(ref)
+        if lora:
+            lo = torch.cat([(xd @ a.double().T) @ b.double().T for a, b in zip(A, B)], 1)
+            ref = ref + lo * (idx == 0).double()[:, None]
+            lb = torch.cat([(xd.abs() @ a.double().abs().T) @ b.double().abs().T for a, b in zip(A, B)], 1)
+        ok, detail = within(y, ref, bound, lb)
+        if not ok or not torch.isfinite(y).all() or not torch.equal(y, y2):
+            failures.append(f"m={m}: {detail} finite={bool(torch.isfinite(y).all())} repeat={torch.equal(y, y2)}")
+    assert not failures, "\n".join(failures[:10])
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("kind", ["max", "zero", "subnormal", "random", "codes"])
+def test_gpu_adversarial_and_tails(kind):
+    """Adversarial codes, K tails (K % 128, K % 32 = 16), N not a multiple of 16, misaligned code rows,
+    per-row global scales, explicit launch configurations (several row tiles per block, K split over
+    1..16 warps), float32 bias, int32 slots."""
+    gen = torch.Generator().manual_seed(7)
+    cases = [  # m, n, k, lora, config, misalign
+        (1, 512, 3584, None, None, False), (13, 1000, 400, (8, [600, 400]), None, False),
+        (16, 384, 1024, (16, [128, 128, 128]), None, False), (5, 256, 512, None, {"WR": 2, "WK": 2}, False),
+        (3, 72, 80, (8, [72]), None, False), (7, 33, 208, None, {"WR": 1, "WK": 3}, False),
+        (9, 130, 336, (4, [64, 66]), {"WR": 2, "WK": 8}, True), (2, 48, 2048, None, {"WR": 1, "WK": 16}, True),
+        (8, 64, 1024, None, {"WR": 4, "WK": 4}, False), (4, 96, 640, (16, [32, 32, 32]), {"WR": 1, "WK": 1}, False),
+    ]
+    for m, n, k, lora, cfg, mis in cases:
+        ok, detail, _ = run_case(m, n, k, kind, lora, kind == "random", lora is not None, gen, config=cfg,
+                                 misalign=mis, bias_dtype=torch.float32 if m % 2 else None,
+                                 index_dtype=torch.int32 if m % 3 == 0 else torch.long)
+        assert ok, f"{kind} m={m} n={n} k={k} cfg={cfg} misalign={mis}: {detail}"
+
+
+@gpu
+@needs_cuda
+def test_gpu_fp16():
+    gen = torch.Generator().manual_seed(8)
+    for m in (1, 8, 16):
+        ok, detail, _ = run_case(m, 4608, 3584, "random", (16, [3584, 512, 512]), False, True, gen, dtype=torch.float16)
+        assert ok, f"m={m}: {detail}"
+
+
+@gpu
+@needs_cuda
+def test_gpu_configs_agree():
+    """Every launch configuration of one call gives the reference's result (summation orders differ, so
+    within the criterion rather than bit-identical); a config is repeatable bit for bit."""
+    for cfg in ({"WR": 1, "WK": 1}, {"WR": 1, "WK": 4}, {"WR": 2, "WK": 8}, {"WR": 1, "WK": 16}, {"WR": 4, "WK": 2}):
+        ok, detail, y = run_case(6, 3584, 3584, "codes", (16, [3584]), False, True, torch.Generator().manual_seed(1),
+                                 config=cfg)
+        assert ok, f"{cfg}: {detail}"
+        _, _, y2 = run_case(6, 3584, 3584, "codes", (16, [3584]), False, True, torch.Generator().manual_seed(1),
+                            config=cfg)
+        assert torch.equal(y, y2), cfg
+
+
+@gpu
+@needs_cuda
+def test_gpu_matches_triton():
+    """The CUDA and Triton kernels agree on the down projection, LoRA included (two bf16 roundings of
+    float32 sums in different orders: a relative difference of a few 1e-3; a wrong weight gives ~1)."""
+    from qerl_lib.kernels.nvfp4_gemv import nvfp4_gemv as triton_gemv
+
+    gen = torch.Generator().manual_seed(11)
+    p, s, gs = (t.cuda() for t in make_weight(3584, 18944, "random", gen))
+    a = (torch.randn(16, 18944, generator=gen) * 0.05).to("cuda", torch.bfloat16)
+    b = (torch.randn(3584, 16, generator=gen) * 0.05).to("cuda", torch.bfloat16)
+    for m in (1, 4, 16):
+        x = torch.randn(m, 18944, generator=gen).to("cuda", torch.bfloat16)
+        y_c = C.nvfp4_gemv(x, p, s, gs, None, a, b, 0.5)
+        y_t = triton_gemv(x, p, s, gs, None, a, b, 0.5)
+        rel = float((y_c.float() - y_t.float()).norm() / y_t.float().norm())
+        assert rel < 1e-2, f"m={m}: rel {rel}"
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("pdl", [False, True])
+def test_gpu_cuda_graph_replay(pdl):
+    """The custom op captured in a CUDA graph replays with new inputs and slots like an eager call (LoRA
+    shrink + GEMV; with PDL the GEMV is a programmatic dependent launch)."""
+    op = C.register_op()
+    gen = torch.Generator().manual_seed(9)
+    P, S, GS = (t.cuda() for t in make_weight(4608, 3584, "random", gen))
+    a = [(torch.randn(16, 3584, generator=gen) * 0.05).to("cuda", torch.bfloat16) for _ in range(3)]
+    b = [(torch.randn(w, 16, generator=gen) * 0.05).to("cuda", torch.bfloat16) for w in (3584, 512, 512)]
+    idx = torch.zeros(8, dtype=torch.long, device="cuda")
+    x = torch.randn(8, 3584, generator=gen).to("cuda", torch.bfloat16)
+    old = C.os.environ.get(C.PDL_ENV)
+    C.os.environ[C.PDL_ENV] = "1" if pdl else "0"
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            op(x, P, S, GS, None, a, b, 1.0, idx, 0)  # eager first: builds and loads the extension
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                y = op(x, P, S, GS, None, a, b, 1.0, idx, 0)
+        torch.cuda.current_stream().wait_stream(stream)
+        for trial in range(3):
+            x.copy_(torch.randn(8, 3584, generator=gen).to("cuda", torch.bfloat16))
+            idx.copy_(torch.tensor([0, -1] * 4) if trial % 2 else torch.tensor([0, 0, 1, 0, -1, 0, 0, 0]))
+            graph.replay()
+            torch.cuda.synchronize()
+            want = C.nvfp4_gemv(x, P, S, GS, None, a, b, 1.0, idx, 0)
+            assert torch.equal(y, want), f"replay {trial} differs from an eager call"
+    finally:
+        if old is None:
+            C.os.environ.pop(C.PDL_ENV, None)
+        else:
+            C.os.environ[C.PDL_ENV] = old
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("graph", [False, True])
+def test_gpu_pdl_chain(graph):
+    """GEMVs that feed each other directly (y of one is x of the next, square W) as programmatic dependent
+    launches, eager and in a CUDA graph, equal the same chain without PDL: a GEMV that read x before its
+    producer finished would differ (the first layer's x is rewritten just before, by a copy)."""
+    gen = torch.Generator().manual_seed(13)
+    ws = [tuple(t.cuda() for t in make_weight(3584, 3584, "random", gen)) for _ in range(6)]
+    x0 = torch.randn(4, 3584, generator=gen).to("cuda", torch.bfloat16)
+    src = torch.randn(4, 3584, generator=gen).to("cuda", torch.bfloat16)
+
+    def chain(pdl):
+        x0.copy_(src)
+        y = x0
+        for p, s, gs in ws:
+            y = C.nvfp4_gemv(y, p, s, gs, config={"pdl": pdl})  # grows ~3x per layer: no overflow in 6
+        return y
+
+    want = chain(False).clone()
+    if graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            chain(True)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=stream):
+                out = chain(True)
+        torch.cuda.current_stream().wait_stream(stream)
+        for _ in range(3):
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, want)
+    else:
+        for _ in range(3):
+            assert torch.equal(chain(True), want)
+
+
+@gpu
+@needs_cuda
+def test_gpu_opcheck():
+    op = C.register_op()
+    gen = torch.Generator().manual_seed(12)
+    p, s, gs = (t.cuda() for t in make_weight(64, 256, "random", gen))
+    x = torch.randn(5, 256, generator=gen).to("cuda", torch.bfloat16)
+    a = (torch.randn(4, 256, generator=gen) * 0.1).to("cuda", torch.bfloat16)
+    b = (torch.randn(64, 4, generator=gen) * 0.1).to("cuda", torch.bfloat16)
+    idx = torch.tensor([0, -1, 0, 1, 0], device="cuda")
+    args = (x, p, s.view(torch.uint8), gs, None, [a], [b], 0.5, idx, 0)
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+    assert torch.equal(torch.ops.qerl.nvfp4_gemv_cuda(*args), C.nvfp4_gemv(x, p, s, gs, None, a, b, 0.5, idx, 0))
+    assert C.kernel_regs(True, 1, True) > 0
+
+
+# ---------------------------------------------------------------------------------------
+# The worker's switch (pure parts; vLLM itself is GPU-side)
+# ---------------------------------------------------------------------------------------
+
+
+def test_worker_gemv_kernel_env(monkeypatch):
+    from qerl_lib.rollout.vllm_worker import GEMV_KERNEL_ENV, gemv_kernel_from_env
+
+    monkeypatch.delenv(GEMV_KERNEL_ENV, raising=False)
+    assert gemv_kernel_from_env() == "triton"
+    for raw, want in (("", "triton"), ("triton", "triton"), (" CUDA ", "cuda")):
+        monkeypatch.setenv(GEMV_KERNEL_ENV, raw)
+        assert gemv_kernel_from_env() == want
+    monkeypatch.setenv(GEMV_KERNEL_ENV, "marlin")
+    with pytest.raises(ValueError):
+        gemv_kernel_from_env()
+
+
+def test_worker_gemv_function_dispatch():
+    """`cuda` serves steps of at most 16 rows with the CUDA kernel; larger steps and `triton` keep Triton."""
+    pytest.importorskip("triton")
+    from qerl_lib.kernels import nvfp4_gemv as T
+    from qerl_lib.rollout.vllm_worker import gemv_function
+
+    assert gemv_function(1, "cuda") is C.nvfp4_gemv and gemv_function(16, "cuda") is C.nvfp4_gemv
+    assert gemv_function(17, "cuda") is T.nvfp4_gemv and gemv_function(4, "triton") is T.nvfp4_gemv
+
+
+def test_gemv_kernel_reaches_the_served_engine(tmp_path):
+    """`rollout.vllm_gemv_kernel` travels with `vllm_gemv_rows` as `QERL_VLLM_GEMV_KERNEL`; without rows, neither."""
+    from qerl_lib.config import QerlConfig
+    from qerl_lib.rollout.serve import vllm_command
+    from qerl_lib.rollout.vllm_engine import VLLMEngine
+    from qerl_lib.rollout.vllm_worker import GEMV_KERNEL_ENV
+
+    (tmp_path / "config.json").write_text('{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}')
+    cfg = QerlConfig()
+    assert cfg.rollout.vllm_gemv_kernel == "triton"
+    cfg.rollout.vllm_gemv_kernel = "cuda"
+    _, env = vllm_command(cfg, tmp_path, "127.0.0.1", 8000)
+    assert GEMV_KERNEL_ENV not in env
+    cfg.rollout.vllm_gemv_rows = 16
+    _, env = vllm_command(cfg, tmp_path, "127.0.0.1", 8000)
+    assert env[GEMV_KERNEL_ENV] == "cuda"
+    with pytest.raises(ValueError):
+        VLLMEngine(tmp_path, gemv_kernel="marlin", llm=object())
