@@ -20,6 +20,13 @@
 #                                       carry .device/svc for the server's wheels)
 #   scripts/device_vllm.sh orchestrated [ARGS]  benchmarks/orchestrated_step.py on .device/rl/bench.yaml
 #                                       (carry .device/rl and .device/svc)
+#   scripts/device_vllm.sh kernels      issue 17's decode GEMMs: build the CUDA one, the `gpu` tests of both
+#                                       kernels, then benchmarks/nvfp4_gemv.py (Triton, CUDA, Marlin, cuBLAS,
+#                                       LoRA stock and dual stream) -> $OUT/nvfp4_gemv.json (~4-5 min)
+#   scripts/device_vllm.sh train-memory the chunked-MLP memory arms of benchmarks/train_step.py (micro-batch 2
+#                                       and 8, offload in both arms) -> $OUT/train_step_mlpchunk.json (~3-4 min)
+#   scripts/device_vllm.sh rl-step      benchmarks/rl_step.py (BF16 vs NVFP4 (+ AQN), 7B shape) -> $OUT/rl_step.json
+#                                       (~8.5 min; a second call with `--arms nvfp4-aqn` and --merge if cut short)
 #
 # Every device step exports PYTHONPATH=/tmp/vllm-site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 (flashinfer
 # is not carried) and writes its log under $OUT when OUT is set.
@@ -162,6 +169,25 @@ EOF
     python3 benchmarks/rollout_throughput.py "$@" 2>&1 | tee "$OUT/bench.log"
     exit "${PIPESTATUS[0]}"
     ;;
+  kernels)
+    gpu_env
+    export QERL_CACHE_DIR=${QERL_CACHE_DIR:-/tmp/qerl-cache} PATH=$(dirname "$(command -v python3)"):$PATH  # ninja
+    python3 -c "import time; from qerl_lib.kernels import nvfp4_gemv_cuda as C; t = time.time(); C.load_extension(); print('CUDA decode GEMM built in', round(time.time() - t, 1), 's')" 2>&1 | tee "$OUT/kernels_build.log"
+    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_nvfp4_gemv_cuda.py tests/test_nvfp4_gemv.py \
+      2>&1 | tee "$OUT/kernels_gpu_tests.log" | tail -30
+    timeout 300 python3 benchmarks/nvfp4_gemv.py --out "$OUT/nvfp4_gemv.json" 2>&1 | tee "$OUT/nvfp4_gemv.log" | tail -40
+    ;;
+  train-memory)
+    gpu_env
+    python3 benchmarks/train_step.py --mode step --micro-batches 2 8 --arms nvfp4-dq:offload \
+      nvfp4-dq:offload:mlpchunk1152 nvfp4-dq:offload:mlpchunk2304 bf16:offload bf16:offload:mlpchunk1152 \
+      bf16:offload:mlpchunk2304 --out "$OUT/train_step_mlpchunk.json" 2>&1 | tee "$OUT/train_step_mlpchunk.log" | tail -40
+    ;;
+  rl-step)
+    gpu_env
+    [ -f /tmp/vllm-site/.complete ] || { echo "vLLM is not installed in /tmp/vllm-site (run the install pieces first)" >&2; exit 2; }
+    python3 benchmarks/rl_step.py --out "$OUT/rl_step.json" "$@" 2>&1 | tee "$OUT/rl_step.log" | tail -40
+    ;;
   all-b)
     install || exit $?
     rl; r=$?
@@ -170,6 +196,6 @@ EOF
     exit $((t != 0 || r != 0))
     ;;
   *)
-    sed -n '2,24p' "$0"
+    sed -n '2,31p' "$0"
     ;;
 esac
