@@ -312,7 +312,8 @@ def _interpreter_checks() -> dict[str, dict]:
     # `dequantize_partitions` (the dense regime's weight) in float32 and the LoRA per slice
     from types import SimpleNamespace
 
-    from qerl_lib.rollout.vllm_worker import _gemv_lora, dequantize_partitions, partition_scales
+    from qerl_lib.rollout.vllm_gemv import _gemv_lora, partition_scales
+    from qerl_lib.rollout.vllm_worker import dequantize_partitions
 
     widths, kk, r = [64, 16, 16], 128, 16
     parts = [make_weight(wd, kk, "random", gen) for wd in widths]
@@ -413,7 +414,7 @@ def test_plan_shapes():
 
 
 def test_worker_gemv_rows_env(monkeypatch):
-    from qerl_lib.rollout.vllm_worker import GEMV_ROWS_ENV, gemv_rows_from_env
+    from qerl_lib.rollout.vllm_gemv import GEMV_ROWS_ENV, gemv_rows_from_env
 
     for raw, want in (("", None), ("0", None), ("off", None), ("16", 16), (" 48 ", 48)):
         monkeypatch.setenv(GEMV_ROWS_ENV, raw)
@@ -430,7 +431,7 @@ def test_gemv_rows_reaches_the_served_engine(tmp_path):
     default) sets nothing, so vLLM's own path runs."""
     from qerl_lib.config import QerlConfig
     from qerl_lib.rollout.serve import vllm_command
-    from qerl_lib.rollout.vllm_worker import GEMV_ROWS_ENV
+    from qerl_lib.rollout.vllm_gemv import GEMV_ROWS_ENV
 
     (tmp_path / "config.json").write_text('{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}')
     cfg = QerlConfig()
@@ -443,7 +444,7 @@ def test_gemv_rows_reaches_the_served_engine(tmp_path):
 
 
 def test_worker_partition_scales():
-    from qerl_lib.rollout.vllm_worker import partition_scales
+    from qerl_lib.rollout.vllm_gemv import partition_scales
 
     got = partition_scales(torch.tensor([2.0, 5.0, 7.0]), [3, 1, 2])
     assert got.dtype == torch.float32 and got.tolist() == [2.0, 2.0, 2.0, 5.0, 7.0, 7.0]
@@ -456,7 +457,7 @@ def test_worker_gemv_lora_views():
     engines with more than one slot, another dtype, or B slices not covering the rows keep vLLM's path."""
     from types import SimpleNamespace
 
-    from qerl_lib.rollout.vllm_worker import _gemv_lora
+    from qerl_lib.rollout.vllm_gemv import _gemv_lora
 
     def wrapper(max_loras=1, dtype=torch.bfloat16, widths=(64, 16, 16), out=96):
         a = tuple(torch.zeros(max_loras, 1, 16, 32, dtype=dtype) for _ in widths)

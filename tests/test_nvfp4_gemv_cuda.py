@@ -350,7 +350,7 @@ def test_gpu_opcheck():
 
 
 def test_worker_gemv_kernel_env(monkeypatch):
-    from qerl_lib.rollout.vllm_worker import GEMV_KERNEL_ENV, gemv_kernel_from_env
+    from qerl_lib.rollout.vllm_gemv import GEMV_KERNEL_ENV, gemv_kernel_from_env
 
     monkeypatch.delenv(GEMV_KERNEL_ENV, raising=False)
     assert gemv_kernel_from_env() == "triton"
@@ -366,7 +366,7 @@ def test_worker_gemv_function_dispatch():
     """`cuda` serves steps of at most 16 rows with the CUDA kernel; larger steps and `triton` keep Triton."""
     pytest.importorskip("triton")
     from qerl_lib.kernels import nvfp4_gemv as T
-    from qerl_lib.rollout.vllm_worker import gemv_function
+    from qerl_lib.rollout.vllm_gemv import gemv_function
 
     assert gemv_function(1, "cuda") is C.nvfp4_gemv and gemv_function(16, "cuda") is C.nvfp4_gemv
     assert gemv_function(17, "cuda") is T.nvfp4_gemv and gemv_function(4, "triton") is T.nvfp4_gemv
@@ -377,7 +377,7 @@ def test_gemv_kernel_reaches_the_served_engine(tmp_path):
     from qerl_lib.config import QerlConfig
     from qerl_lib.rollout.serve import vllm_command
     from qerl_lib.rollout.vllm_engine import VLLMEngine
-    from qerl_lib.rollout.vllm_worker import GEMV_KERNEL_ENV
+    from qerl_lib.rollout.vllm_gemv import GEMV_KERNEL_ENV
 
     (tmp_path / "config.json").write_text('{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}')
     cfg = QerlConfig()

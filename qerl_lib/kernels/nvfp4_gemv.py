@@ -57,6 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qerl_lib.kernels.gemv_args import check_args, define_op
 from qerl_lib.kernels.nvfp4_triton import _mma, interpreter_mode
 
 MAX_ROWS = 64
@@ -416,54 +417,28 @@ def nvfp4_gemv(
       (vLLM's per-token LoRA slots; -1 = none); None: every row.
     `config` overrides `plan` (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, split).
     """
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"nvfp4_gemv needs bf16 or fp16 activations, got {x.dtype}")
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
+    args = check_args("nvfp4_gemv", x, packed, scale, global_scale, bias, lora_a, lora_b, lora_index,
+                      max_rows=MAX_ROWS, max_slices=MAX_SLICES)
+    lead, k, x2, m, n, scale = args.lead, args.k, args.x2, args.m, args.n, args.scale
+    a_list, b_list = args.a_list, args.b_list
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    m, n = x2.shape[0], packed.shape[0]
-    if m > MAX_ROWS:
-        raise ValueError(f"nvfp4_gemv serves at most {MAX_ROWS} rows, got {m}")
-    if packed.dtype != torch.uint8 or packed.shape[1] * 2 != k or k % 16:
-        raise ValueError(f"packed {tuple(packed.shape)} {packed.dtype} does not match K={k} "
-                         "(uint8 [N, K/2], K % 16 == 0)")
-    if scale.shape != (n, k // 16):
-        raise ValueError(f"scale {tuple(scale.shape)} does not match [N, K/16] = [{n}, {k // 16}]")
-    scale = scale if scale.dtype == torch.uint8 else scale.view(torch.uint8)
     gs = global_scale.reshape(-1).to(device=x.device, dtype=torch.float32)
-    if gs.numel() not in (1, n):
-        raise ValueError(f"global_scale must have 1 or N={n} elements, got {gs.numel()}")
     if packed.stride(-1) != 1 or scale.stride(-1) != 1:
         packed, scale = packed.contiguous(), scale.contiguous()
     if packed.data_ptr() % 16 or packed.stride(0) % 4:  # the kernel reads 32-bit words of codes
         packed = packed.clone(memory_format=torch.contiguous_format)
-    if packed.device != x.device or scale.device != x.device or (bias is not None and bias.device != x.device):
-        raise ValueError("x, packed, scale and bias must be on one device")
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y.reshape(*lead, n)
-    a_list, b_list = ([] if t is None else [t] if isinstance(t, torch.Tensor) else list(t)
-                      for t in (lora_a, lora_b))
     has_lora = bool(a_list)
     rank = 1
     offs = [n, n]
     if has_lora:
-        if len(a_list) != len(b_list) or not 1 <= len(a_list) <= MAX_SLICES:
-            raise ValueError(f"LoRA needs 1 to {MAX_SLICES} (A, B) slices, got {len(a_list)} A and {len(b_list)} B")
         rank = a_list[0].shape[0]
         widths = [b.shape[0] for b in b_list]
-        for a, b in zip(a_list, b_list):
-            if a.shape != (rank, k) or b.shape[1] != rank or a.dtype != x.dtype or b.dtype != x.dtype:
-                raise ValueError(f"LoRA slices must be A [{rank}, {k}] and B [n_i, {rank}] in {x.dtype}")
-            if a.stride(-1) != 1 or b.stride(-1) != 1 or a.device != x.device or b.device != x.device:
-                raise ValueError("LoRA A and B need a contiguous last dimension, on x's device")
-        if sum(widths) != n:
-            raise ValueError(f"LoRA B slices cover {sum(widths)} rows, W has {n}")
         bounds = [sum(widths[:i + 1]) for i in range(len(widths) - 1)]
         offs = (bounds + [n, n])[:2]
-        if lora_index is not None and lora_index.numel() < m:
-            raise ValueError(f"lora_index has {lora_index.numel()} entries for {m} rows")
 
     cfg = dict(config) if config is not None else plan(m, n, k, _num_sms(x.device))
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -510,26 +485,11 @@ def nvfp4_gemv(
     return y.reshape(*lead, n)
 
 
-_OP = None
-
-
 def register_op():
-    """Define `torch.ops.qerl.nvfp4_gemv` once (the signature of `nvfp4_gemv`, LoRA slices as lists,
-    empty = none) and return it. Opaque to torch.compile; CUDA graphs capture its one kernel."""
-    global _OP
-    if _OP is not None:
-        return _OP
+    """`torch.ops.qerl.nvfp4_gemv` (defined once; `gemv_args.define_op`)."""
+    return _op()
 
-    @torch.library.custom_op("qerl::nvfp4_gemv", mutates_args=())
-    def nvfp4_gemv_op(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
-                      bias: torch.Tensor | None, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
-                      lora_scale: float, lora_index: torch.Tensor | None, lora_slot: int) -> torch.Tensor:
-        return nvfp4_gemv(x, packed, scale, global_scale, bias, lora_a or None, lora_b or None, lora_scale,
-                          lora_index, lora_slot)
 
-    @nvfp4_gemv_op.register_fake
-    def _(x, packed, scale, global_scale, bias, lora_a, lora_b, lora_scale, lora_index, lora_slot):
-        return x.new_empty((*x.shape[:-1], packed.shape[0]))
-
-    _OP = nvfp4_gemv_op
-    return _OP
+@functools.cache
+def _op():
+    return define_op("nvfp4_gemv", nvfp4_gemv)

@@ -50,6 +50,8 @@ from pathlib import Path
 
 import torch
 
+from qerl_lib.kernels.gemv_args import check_args, define_op
+
 MAX_ROWS = 16
 """Largest M served (two MMA n-tiles of 8)."""
 MAX_SLICES = 3
@@ -223,43 +225,10 @@ def nvfp4_gemv(
     - lora_index: integer [>= M]: row m gets the LoRA term only if lora_index[m] == lora_slot.
     `config` overrides `plan`: WR (row tiles per block), WK (warps splitting K), pdl (bool).
     """
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"nvfp4_gemv needs bf16 or fp16 activations, got {x.dtype}")
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
-    m, n = x2.shape[0], packed.shape[0]
-    if m > MAX_ROWS:
-        raise ValueError(f"nvfp4_gemv_cuda serves at most {MAX_ROWS} rows, got {m}")
-    if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] * 2 != k or k % 16 or k == 0:
-        raise ValueError(f"packed {tuple(packed.shape)} {packed.dtype} does not match K={k} "
-                         "(uint8 [N, K/2], K a positive multiple of 16)")
-    if scale.shape != (n, k // 16):
-        raise ValueError(f"scale {tuple(scale.shape)} does not match [N, K/16] = [{n}, {k // 16}]")
-    if scale.dtype not in (torch.uint8, torch.float8_e4m3fn):
-        raise ValueError(f"scale must be float8_e4m3fn or its uint8 view, got {scale.dtype}")
-    scale = scale if scale.dtype == torch.uint8 else scale.view(torch.uint8)
-    if global_scale.numel() not in (1, n):
-        raise ValueError(f"global_scale must have 1 or N={n} elements, got {global_scale.numel()}")
-    if packed.device != x.device or scale.device != x.device or (bias is not None and bias.device != x.device):
-        raise ValueError("x, packed, scale and bias must be on one device")
-    if bias is not None and bias.numel() != n:
-        raise ValueError(f"bias must have N={n} elements, got {bias.numel()}")
-    a_list, b_list = ([] if t is None else [t] if isinstance(t, torch.Tensor) else list(t) for t in (lora_a, lora_b))
-    if a_list:
-        if len(a_list) != len(b_list) or not 1 <= len(a_list) <= MAX_SLICES:
-            raise ValueError(f"LoRA needs 1 to {MAX_SLICES} (A, B) slices, got {len(a_list)} A and {len(b_list)} B")
-        rank = a_list[0].shape[0]
-        if not 1 <= rank <= MAX_RANK:
-            raise ValueError(f"LoRA rank must be 1..{MAX_RANK}, got {rank}")
-        for a, b in zip(a_list, b_list):
-            if a.shape != (rank, k) or b.dim() != 2 or b.shape[1] != rank or a.dtype != x.dtype or b.dtype != x.dtype:
-                raise ValueError(f"LoRA slices must be A [{rank}, {k}] and B [n_i, {rank}] in {x.dtype}")
-            if a.stride(-1) != 1 or b.stride(-1) != 1 or a.device != x.device or b.device != x.device:
-                raise ValueError("LoRA A and B need a contiguous last dimension, on x's device")
-        if sum(b.shape[0] for b in b_list) != n:
-            raise ValueError(f"LoRA B slices cover {sum(b.shape[0] for b in b_list)} rows, W has {n}")
-        if lora_index is not None and lora_index.numel() < m:
-            raise ValueError(f"lora_index has {lora_index.numel()} entries for {m} rows")
+    args = check_args("nvfp4_gemv_cuda", x, packed, scale, global_scale, bias, lora_a, lora_b, lora_index,
+                      max_rows=MAX_ROWS, max_slices=MAX_SLICES, max_rank=MAX_RANK)
+    lead, k, x2, m, n, scale = args.lead, args.k, args.x2, args.m, args.n, args.scale
+    a_list, b_list = args.a_list, args.b_list
     if not x.is_cuda:
         raise RuntimeError("nvfp4_gemv_cuda runs on CUDA tensors only (qerl_lib.kernels.nvfp4_gemv has the "
                            "Triton kernel, whose interpreter runs on the CPU)")
@@ -305,26 +274,11 @@ def nvfp4_gemv(
     return y.reshape(*lead, n)
 
 
-_OP = None
-
-
 def register_op():
-    """Define `torch.ops.qerl.nvfp4_gemv_cuda` once (the signature of `nvfp4_gemv`, LoRA slices as lists,
-    empty = none) and return it. Opaque to torch.compile; CUDA graphs capture its one or two kernels."""
-    global _OP
-    if _OP is not None:
-        return _OP
+    """`torch.ops.qerl.nvfp4_gemv_cuda` (defined once; `gemv_args.define_op`)."""
+    return _op()
 
-    @torch.library.custom_op("qerl::nvfp4_gemv_cuda", mutates_args=())
-    def nvfp4_gemv_cuda_op(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor,
-                           bias: torch.Tensor | None, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
-                           lora_scale: float, lora_index: torch.Tensor | None, lora_slot: int) -> torch.Tensor:
-        return nvfp4_gemv(x, packed, scale, global_scale, bias, lora_a or None, lora_b or None, lora_scale,
-                          lora_index, lora_slot)
 
-    @nvfp4_gemv_cuda_op.register_fake
-    def _(x, packed, scale, global_scale, bias, lora_a, lora_b, lora_scale, lora_index, lora_slot):
-        return x.new_empty((*x.shape[:-1], packed.shape[0]))
-
-    _OP = nvfp4_gemv_cuda_op
-    return _OP
+@functools.cache
+def _op():
+    return define_op("nvfp4_gemv_cuda", nvfp4_gemv)

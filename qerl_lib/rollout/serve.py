@@ -59,7 +59,8 @@ def vllm_command(cfg, checkpoint: Path, host: str, port: int) -> tuple[list[str]
     from qerl_lib.env import child_env
     from qerl_lib.policy import dense_above_for
     from qerl_lib.rollout.vllm_engine import EXTENSION, LOGPROBS_MODE, vllm_quantization
-    from qerl_lib.rollout.vllm_worker import DENSE_ABOVE_ENV, GEMV_KERNEL_ENV, GEMV_ROWS_ENV
+    from qerl_lib.rollout.vllm_gemv import GEMV_KERNEL_ENV, GEMV_ROWS_ENV
+    from qerl_lib.rollout.vllm_worker import DENSE_ABOVE_ENV
 
     rc = cfg.rollout
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),

@@ -76,7 +76,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from qerl_lib.rollout.sampling import Completion, SamplingParams, logit_scale  # noqa: F401  (re-exported)
-from qerl_lib.rollout.vllm_worker import DENSE_ABOVE_ENV, GEMV_KERNEL_ENV, GEMV_KERNELS, GEMV_ROWS_ENV
+from qerl_lib.rollout.vllm_gemv import GEMV_KERNEL_ENV, GEMV_KERNELS, GEMV_ROWS_ENV
+from qerl_lib.rollout.vllm_worker import DENSE_ABOVE_ENV
 
 log = logging.getLogger(__name__)
 
