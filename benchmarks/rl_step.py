@@ -31,7 +31,9 @@ from the trainer's own packed weights), the engine start, the warm-up; not done:
 
 Engines as `qerl_lib.policy.get_engine` builds them from the rollout defaults: LoRA r16, dual-stream
 LoRA kernels ON in both arms (the best BF16 configuration too), `vllm_dense_above` auto (48 for 7B),
-sleep mode; plus max_num_seqs = all rows, a KV cache of the blocks the rows need + 10 % (no
+on NVFP4 the decode GEMM of `rollout.vllm_gemv_rows` / `vllm_gemv_kernel` (`--gemv-rows`, `--gemv-kernel`; the
+step recorded in `benchmarks/results/rl_step.json` ran before they defaulted to 8 / auto, with Marlin
+at every small batch: its engine's `linear_info` says so), sleep mode; plus max_num_seqs = all rows, a KV cache of the blocks the rows need + 10 % (no
 preemption, the same in both arms) and CUDA graphs for 23 batch sizes up to 512. The BF16 engine
 loads vLLM's dummy weights (no 15 GB file; its trainer's random weights differ, which no timing sees).
 
@@ -254,7 +256,9 @@ def bench_config(args, kv_gib: float | None = None):
         "run": {"steps": 100, "seed": args.seed}, "lora": {"r": 16, "alpha": 32.0}, "aqn": {"enabled": True},
         "rollout": {"backend": "vllm", "prompts_per_step": args.prompts, "group_size": args.group,
                     "max_new_tokens": args.max_completion, "temperature": 1.0, "top_p": 1.0, "vllm_lora_dual_stream": True,
-                    "vllm_kv_cache_gib": kv_gib, "vllm_max_model_len": args.prompt + args.max_completion + 16},
+                    "vllm_kv_cache_gib": kv_gib, "vllm_max_model_len": args.prompt + args.max_completion + 16,
+                    **({} if args.gemv_rows is None else {"vllm_gemv_rows": args.gemv_rows}),
+                    **({} if args.gemv_kernel is None else {"vllm_gemv_kernel": args.gemv_kernel})},
         "optim": {"lr": 1e-4, "micro_batch_size": args.micro_batch, "gradient_checkpointing": True,
                   "sort_micro_batches": args.micro_batch_order == "length"}})
 
@@ -353,7 +357,8 @@ def start_engine(ckpt: Path, quant: str, cfg, rows: int):
     rc = cfg.rollout
     kw = {"max_num_seqs": rows, "compilation_config": {"cudagraph_capture_sizes": capture_sizes(rows)},
           **vllm_memory_kwargs(rc), **({"load_format": "dummy"} if quant == "bf16" else {})}
-    extra = {"gemv_rows": rc.vllm_gemv_rows} if rc.vllm_gemv_rows else {}
+    extra = ({"gemv_rows": rc.vllm_gemv_rows, "gemv_kernel": rc.vllm_gemv_kernel}
+             if rc.vllm_gemv_rows and quant == "nvfp4" else {})
     return VLLMEngine(ckpt, max_lora_rank=rc.vllm_max_lora_rank, gpu_memory_utilization=rc.vllm_gpu_memory_utilization,
                       enforce_eager=rc.vllm_enforce_eager, seed=cfg.run.seed, max_model_len=rc.vllm_max_model_len,
                       dense_above=dense_above_for(cfg, ckpt), lora_dual_stream=rc.vllm_lora_dual_stream,
@@ -594,6 +599,10 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--micro-batch", type=int, default=8, help="optim.micro_batch_size (the project's GPU runs: 8)")
     p.add_argument("--micro-batch-order", choices=("length", "rollout"), default="length",
                    help="optim.sort_micro_batches: rows grouped by length (the default), or rollout-order slices")
+    p.add_argument("--gemv-rows", type=int, default=None,
+                   help="rollout.vllm_gemv_rows of the NVFP4 engine (default: the config's; 0: Marlin at every batch)")
+    p.add_argument("--gemv-kernel", choices=("auto", "triton", "cuda"), default=None,
+                   help="rollout.vllm_gemv_kernel (default: the config's)")
     p.add_argument("--kv-gib", type=float, default=None, help="engine KV cache (default: what the rows need + 10 %%)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deadline-s", type=float, default=510.0, help="no step starts that would end after this")

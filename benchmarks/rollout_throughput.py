@@ -538,8 +538,9 @@ def main() -> None:
     p.add_argument("--mem", type=float, default=0.5, help="gpu_memory_utilization of each engine")
     p.add_argument("--dense-above", type=int, default=None, help="rows above which nvfp4h runs dense (default: profile)")
     p.add_argument("--gemv-rows", type=int, default=16, help="rows up to which nvfp4g runs the NVFP4 decode GEMM")
-    p.add_argument("--gemv-kernel", choices=("triton", "cuda"), default="triton",
-                   help="nvfp4g's decode GEMM: Triton, or the CUDA C++ kernel for steps of at most 16 rows")
+    p.add_argument("--gemv-kernel", choices=("triton", "cuda", "auto"), default="triton",
+                   help="nvfp4g's decode GEMM: Triton, or the CUDA C++ kernel for steps of at most 16 rows "
+                        "(auto: cuda when it builds, else none)")
     p.add_argument("--deadline-s", type=float, default=540.0, help="stop starting work after this many seconds")
     p.add_argument("--min-engine-s", type=float, default=100.0, help="start an engine only with this much time left")
     p.add_argument("--no-share", action="store_true", help="let each engine use all the time left (default: a fair share)")

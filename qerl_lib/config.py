@@ -154,16 +154,21 @@ class RolloutConfig(_Section):
     """Run vLLM's LoRA kernels on a second CUDA stream beside the base GEMM
     (`VLLM_LORA_ENABLE_DUAL_STREAM`): at small batch their cost is launch latency, which the
     overlap hides (H200, 7B shape, r16, batch 1: NVFP4 192.6 -> 208.5 tok/s, BF16 156.3 -> 185.7)."""
-    vllm_gemv_rows: int = Field(0, ge=0, le=64)
+    vllm_gemv_rows: int = Field(8, ge=0, le=64)
     """NVFP4 engine: sequences per decode step up to which the linears run the project's decode GEMM
-    (`qerl_lib.kernels.nvfp4_gemv`: codes read once, the LoRA fused into the same launch) instead of
-    Marlin + vLLM's LoRA kernels. 0 (the default) keeps vLLM's path: not measured end to end on the GPU
-    yet (`benchmarks/nvfp4_gemv.py` measures the crossover). Costs a GPU copy of the packed weights
-    (+0.5625 bytes per quantized weight)."""
-    vllm_gemv_kernel: Literal["triton", "cuda"] = "triton"
-    """Which decode GEMM `vllm_gemv_rows` runs: `triton` (`qerl_lib.kernels.nvfp4_gemv`, up to 64 rows)
-    or `cuda` (`qerl_lib.kernels.nvfp4_gemv_cuda`, hand-written CUDA C++ built with nvcc when the
-    engine loads; steps of at most 16 rows, larger ones keep Triton). Not yet run on a GPU."""
+    (codes read once, dequantized in registers, the LoRA in the same call) instead of Marlin + vLLM's
+    LoRA kernels; 0 keeps vLLM's path. Default 8: the measured crossover of the CUDA kernel with LoRA
+    r16 against the best of Marlin + LoRA and BF16 + dual-stream LoRA (H200, 7B shape, all linears of a
+    decode step: 2.61 vs 3.67 ms at 1 row, 3.31 vs 3.63 at 8, 4.92 vs 3.90 at 16;
+    `benchmarks/results/nvfp4_gemv.json`); end to end at batch 1: 263.9 tok/s against 185.3 for BF16 +
+    dual-stream LoRA (`benchmarks/results/rollout_throughput_cuda_gemv.json`). Costs a GPU copy of the
+    packed weights (+0.5625 bytes per quantized weight, 3.7 GB for 7B). BF16 and NF4 engines ignore it."""
+    vllm_gemv_kernel: Literal["auto", "triton", "cuda"] = "auto"
+    """Which decode GEMM `vllm_gemv_rows` runs: `cuda` (`qerl_lib.kernels.nvfp4_gemv_cuda`, hand-written
+    CUDA C++ that nvcc builds when the engine loads, cached under `QERL_CACHE_DIR`; steps of at most 16
+    rows, larger ones run the Triton kernel), `triton` (`qerl_lib.kernels.nvfp4_gemv`, up to 64 rows;
+    slower than Marlin at every row count measured, kept as the portable reference) or `auto`: `cuda` for
+    at most 16 rows when it builds, else no decode GEMM (Marlin) and a warning in the engine's log."""
 
 
 class RewardConfig(_Section):

@@ -169,7 +169,7 @@ crossover measured on the H200 for the 7B shape (Marlin faster up to 48 rows, sl
 def _engine_key(cfg: QerlConfig, checkpoint: Path) -> tuple:
     rc = cfg.rollout
     return (str(Path(checkpoint).resolve()), cfg.model.quant, rc.vllm_max_lora_rank, rc.vllm_gpu_memory_utilization,
-            rc.vllm_enforce_eager, cfg.run.seed, rc.vllm_dense_above, rc.vllm_lora_dual_stream, rc.vllm_gemv_rows,
+            rc.vllm_enforce_eager, cfg.run.seed, rc.vllm_dense_above, rc.vllm_lora_dual_stream, gemv_rows_for(cfg),
             rc.vllm_gemv_kernel,
             rc.vllm_kv_cache_gib, rc.vllm_max_model_len,
             cfg.parallel.rollout_tensor_parallel, cfg.parallel.rollout_replicas)
@@ -193,6 +193,13 @@ def dense_above_for(cfg: QerlConfig, checkpoint: Path) -> int | None:
     return int(rc.vllm_dense_above)
 
 
+def gemv_rows_for(cfg: QerlConfig) -> int | None:
+    """`rollout.vllm_gemv_rows` where it applies (an NVFP4 base), else None: the decode GEMM reads NVFP4
+    codes, and an engine without it keeps vLLM's compile cache."""
+    rows = cfg.rollout.vllm_gemv_rows
+    return int(rows) if rows and cfg.model.quant == "nvfp4" else None
+
+
 def get_engine(cfg: QerlConfig, checkpoint: Path):
     """The `VLLMEngine` of this process for `checkpoint` and the rollout config (one at a time)."""
     from qerl_lib.rollout.vllm_engine import VLLMEngine, vllm_quantization
@@ -213,7 +220,7 @@ def get_engine(cfg: QerlConfig, checkpoint: Path):
         kwargs = dict(max_lora_rank=rc.vllm_max_lora_rank, gpu_memory_utilization=rc.vllm_gpu_memory_utilization,
                       enforce_eager=rc.vllm_enforce_eager, seed=cfg.run.seed,
                       dense_above=dense_above_for(cfg, checkpoint), lora_dual_stream=rc.vllm_lora_dual_stream,
-                      gemv_rows=rc.vllm_gemv_rows or None, gemv_kernel=rc.vllm_gemv_kernel,
+                      gemv_rows=gemv_rows_for(cfg), gemv_kernel=rc.vllm_gemv_kernel,
                       tensor_parallel_size=tp, max_model_len=rc.vllm_max_model_len,
                       quantization=vllm_quantization(cfg.model.quant), engine_kwargs=vllm_memory_kwargs(rc))
         if reps > 1:

@@ -427,20 +427,37 @@ def test_worker_gemv_rows_env(monkeypatch):
 
 
 def test_gemv_rows_reaches_the_served_engine(tmp_path):
-    """`rollout.vllm_gemv_rows` becomes the worker's `QERL_VLLM_GEMV_ROWS` for `vllm serve`; 0 (the
-    default) sets nothing, so vLLM's own path runs."""
+    """`rollout.vllm_gemv_rows` (8 by default) becomes the worker's `QERL_VLLM_GEMV_ROWS` for `vllm serve`
+    of an NVFP4 base; 0, or a BF16 base, sets nothing, so vLLM's own path (and its compile cache) stays."""
     from qerl_lib.config import QerlConfig
     from qerl_lib.rollout.serve import vllm_command
     from qerl_lib.rollout.vllm_gemv import GEMV_ROWS_ENV
 
     (tmp_path / "config.json").write_text('{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}')
     cfg = QerlConfig()
-    assert cfg.rollout.vllm_gemv_rows == 0
+    assert cfg.model.quant == "nvfp4" and cfg.rollout.vllm_gemv_rows == 8
     _, env = vllm_command(cfg, tmp_path, "127.0.0.1", 8000)
-    assert GEMV_ROWS_ENV not in env
+    assert env[GEMV_ROWS_ENV] == "8" and env["VLLM_DISABLE_COMPILE_CACHE"] == "1"
     cfg.rollout.vllm_gemv_rows = 16
     _, env = vllm_command(cfg, tmp_path, "127.0.0.1", 8000)
-    assert env[GEMV_ROWS_ENV] == "16" and env["VLLM_DISABLE_COMPILE_CACHE"] == "1"
+    assert env[GEMV_ROWS_ENV] == "16"
+    cfg.rollout.vllm_gemv_rows = 0
+    _, env = vllm_command(cfg, tmp_path, "127.0.0.1", 8000)
+    assert GEMV_ROWS_ENV not in env
+    bf16 = QerlConfig.model_validate({"model": {"quant": "bf16"}})
+    assert bf16.rollout.vllm_gemv_rows == 8
+    _, env = vllm_command(bf16, tmp_path, "127.0.0.1", 8000)
+    assert GEMV_ROWS_ENV not in env
+
+
+def test_engine_gets_gemv_rows_only_for_nvfp4():
+    from qerl_lib.config import QerlConfig
+    from qerl_lib.policy import gemv_rows_for
+
+    assert gemv_rows_for(QerlConfig()) == 8
+    assert gemv_rows_for(QerlConfig.model_validate({"rollout": {"vllm_gemv_rows": 0}})) is None
+    for quant in ("bf16", "nf4"):
+        assert gemv_rows_for(QerlConfig.model_validate({"model": {"quant": quant}})) is None
 
 
 def test_worker_partition_scales():
@@ -474,6 +491,8 @@ def test_worker_gemv_lora_views():
     assert _gemv_lora(wrapper(max_loras=2)) is None
     assert _gemv_lora(wrapper(dtype=torch.float16)) is None
     assert _gemv_lora(wrapper(out=100)) is None
+    assert _gemv_lora(wrapper(), max_rank=16) is not None
+    assert _gemv_lora(wrapper(), max_rank=8) is None  # the CUDA kernel's rank cap: vLLM's LoRA path instead
 
 
 # ---------------------------------------------------------------------------------------

@@ -362,6 +362,30 @@ def test_worker_gemv_kernel_env(monkeypatch):
         gemv_kernel_from_env()
 
 
+def test_worker_resolves_auto(monkeypatch):
+    """`auto` is the CUDA kernel, capped at its 16 rows, when the extension builds; when the build fails
+    the decode GEMM is off (Marlin) with the reason; `cuda` named explicitly raises the build error."""
+    from qerl_lib.rollout.vllm_gemv import resolve_kernel
+
+    monkeypatch.setattr(C, "load_extension", lambda: object())
+    assert resolve_kernel("auto", 8) == ("cuda", 8, None)
+    assert resolve_kernel("auto", 32) == ("cuda", C.MAX_ROWS, None)
+    assert resolve_kernel("cuda", 32) == ("cuda", 32, None)  # larger steps keep Triton (gemv_function)
+    assert resolve_kernel("triton", 32) == ("triton", 32, None)
+
+    def broken():
+        raise RuntimeError("nvfp4_gemv_cuda: building the CUDA extension failed (no nvcc)")
+
+    monkeypatch.setattr(C, "load_extension", broken)
+    kernel, rows, why = resolve_kernel("auto", 8)
+    assert (kernel, rows) == (None, 0) and "no nvcc" in why and why.startswith("RuntimeError")
+    with pytest.raises(RuntimeError, match="no nvcc"):
+        resolve_kernel("cuda", 8)
+    assert resolve_kernel("triton", 8) == ("triton", 8, None)
+    with pytest.raises(ValueError):
+        resolve_kernel("marlin", 8)
+
+
 def test_worker_gemv_function_dispatch():
     """`cuda` serves steps of at most 16 rows with the CUDA kernel; larger steps and `triton` keep Triton."""
     pytest.importorskip("triton")
@@ -381,8 +405,11 @@ def test_gemv_kernel_reaches_the_served_engine(tmp_path):
 
     (tmp_path / "config.json").write_text('{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}')
     cfg = QerlConfig()
-    assert cfg.rollout.vllm_gemv_kernel == "triton"
+    assert cfg.rollout.vllm_gemv_kernel == "auto"
+    _, env = vllm_command(cfg, tmp_path, "127.0.0.1", 8000)
+    assert env[GEMV_KERNEL_ENV] == "auto"
     cfg.rollout.vllm_gemv_kernel = "cuda"
+    cfg.rollout.vllm_gemv_rows = 0
     _, env = vllm_command(cfg, tmp_path, "127.0.0.1", 8000)
     assert GEMV_KERNEL_ENV not in env
     cfg.rollout.vllm_gemv_rows = 16

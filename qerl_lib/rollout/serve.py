@@ -57,7 +57,7 @@ def _announce(cfg, layout, url: str, backend: str, pid: int, started: float) -> 
 def vllm_command(cfg, checkpoint: Path, host: str, port: int) -> tuple[list[str], dict[str, str]]:
     """argv and extra environment of stock `vllm serve` for this config (module doc)."""
     from qerl_lib.env import child_env
-    from qerl_lib.policy import dense_above_for
+    from qerl_lib.policy import dense_above_for, gemv_rows_for
     from qerl_lib.rollout.vllm_engine import EXTENSION, LOGPROBS_MODE, vllm_quantization
     from qerl_lib.rollout.vllm_gemv import GEMV_KERNEL_ENV, GEMV_ROWS_ENV
     from qerl_lib.rollout.vllm_worker import DENSE_ABOVE_ENV
@@ -93,8 +93,8 @@ def vllm_command(cfg, checkpoint: Path, host: str, port: int) -> tuple[list[str]
         env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     if rc.vllm_lora_dual_stream:
         env["VLLM_LORA_ENABLE_DUAL_STREAM"] = "1"
-    if rc.vllm_gemv_rows:
-        env[GEMV_ROWS_ENV] = str(int(rc.vllm_gemv_rows))
+    if gemv_rows_for(cfg):
+        env[GEMV_ROWS_ENV] = str(gemv_rows_for(cfg))
         env[GEMV_KERNEL_ENV] = rc.vllm_gemv_kernel
         env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     if cfg.parallel.rollout_tensor_parallel > 1:

@@ -57,9 +57,10 @@ What the engine does, and why:
   (`set_policy` re-merges it on every adapter change), which needs no LoRA kernel.
   `lora_dual_stream` sets vLLM's `VLLM_LORA_ENABLE_DUAL_STREAM`, which runs the LoRA kernels
   on a second CUDA stream beside the base GEMM (the small-batch regime's LoRA cost is launch
-  latency, which the overlap hides). `gemv_rows=M_g` (off by default): steps of at most M_g rows run
-  the project's NVFP4 decode GEMM with the LoRA fused in (`qerl_lib.kernels.nvfp4_gemv`) instead of
-  Marlin + vLLM's LoRA kernels.
+  latency, which the overlap hides). `gemv_rows=M_g` (off here; `rollout.vllm_gemv_rows`, 8 by
+  default, passes it for NVFP4 bases): steps of at most M_g rows run the project's NVFP4 decode GEMM
+  with the LoRA fused in (`qerl_lib.kernels.nvfp4_gemv_cuda` or `nvfp4_gemv`) instead of Marlin +
+  vLLM's LoRA kernels.
 """
 
 from __future__ import annotations
@@ -211,8 +212,9 @@ class VLLMEngine:
     `dense_above`: sequences per decode step above which NVFP4 linears run dense with the adapter
     merged in (None: never; module doc). `lora_dual_stream`: vLLM's LoRA kernels on a second
     CUDA stream (`VLLM_LORA_ENABLE_DUAL_STREAM`). `gemv_rows`: sequences per decode step up to which
-    NVFP4 linears run `qerl_lib.kernels.nvfp4_gemv` (None/0: never); `gemv_kernel`: `triton` or `cuda`
-    (`qerl_lib.kernels.nvfp4_gemv_cuda` for steps of at most 16 rows). `tensor_parallel_size`: GPUs the engine spans
+    NVFP4 linears run `qerl_lib.kernels.nvfp4_gemv` (None/0: never); `gemv_kernel`: `triton`, `cuda`
+    (`qerl_lib.kernels.nvfp4_gemv_cuda` for steps of at most 16 rows) or `auto` (`cuda` when it builds
+    in the worker, else none: `qerl_lib.rollout.vllm_gemv.resolve_kernel`). `tensor_parallel_size`: GPUs the engine spans
     (vLLM's own tensor parallelism over NCCL, NVLink multicast off); every worker then holds the
     same norms, so AQN and trained norms are written by each. `quantization`: vLLM's in-flight
     quantization of a 16-bit checkpoint (`vllm_quantization`: `bitsandbytes` for NF4), or None.

@@ -15,9 +15,9 @@ import torch
 GEMV_ROWS_ENV = "QERL_VLLM_GEMV_ROWS"
 """Environment variable read in the worker at load: rows up to which NVFP4 linears run the decode GEMM."""
 GEMV_KERNEL_ENV = "QERL_VLLM_GEMV_KERNEL"
-"""Environment variable read in the worker at load: `triton` (default) or `cuda` (rows <= 16)."""
-GEMV_KERNELS = ("triton", "cuda")
-"""The decode GEMMs `rollout.vllm_gemv_kernel` chooses from."""
+"""Environment variable read in the worker at load: `auto`, `triton` (when unset) or `cuda` (rows <= 16)."""
+GEMV_KERNELS = ("auto", "triton", "cuda")
+"""The choices of `rollout.vllm_gemv_kernel`; `auto` resolves in the worker (`resolve_kernel`)."""
 
 
 def gemv_rows_from_env() -> int | None:
@@ -37,6 +37,30 @@ def gemv_kernel_from_env() -> str:
     if raw not in GEMV_KERNELS:
         raise ValueError(f"{GEMV_KERNEL_ENV}={raw}: one of {GEMV_KERNELS}")
     return raw
+
+
+def resolve_kernel(kernel: str, rows: int) -> tuple[str | None, int, str | None]:
+    """(kernel, rows, why not) the worker runs for the configured `kernel` and `rows`.
+
+    `auto` is the CUDA kernel when its extension builds (or loads from its cache) here, for at most its
+    `MAX_ROWS` rows; when it does not build (no nvcc, no ninja, another CUDA), the decode GEMM is off
+    (None, 0, the build error) and the layers keep Marlin, which beats the Triton kernel at every row
+    count measured (`benchmarks/results/nvfp4_gemv.json`). `cuda` raises on a failed build: it was asked
+    for by name. `triton` is returned as given. Builds now, at load, never inside a CUDA-graph capture."""
+    if kernel == "triton":
+        return "triton", rows, None
+    from qerl_lib.kernels import nvfp4_gemv_cuda
+
+    if kernel == "cuda":
+        nvfp4_gemv_cuda.load_extension()
+        return "cuda", rows, None
+    if kernel != "auto":
+        raise ValueError(f"{GEMV_KERNEL_ENV}={kernel}: one of {GEMV_KERNELS}")
+    try:
+        nvfp4_gemv_cuda.load_extension()
+    except Exception as e:  # noqa: BLE001 - any failed build leaves vLLM's path in place, and says why
+        return None, 0, f"{type(e).__name__}: {e}"
+    return "cuda", min(rows, nvfp4_gemv_cuda.MAX_ROWS), None
 
 
 def gemv_function(rows: int, kernel: str):
@@ -61,15 +85,26 @@ def partition_scales(global_scales: torch.Tensor, widths: list[int]) -> torch.Te
     return torch.cat([gs[i:i + 1].expand(w) for i, w in enumerate(widths)]).contiguous()
 
 
-def _gemv_lora(wrapper):
+def max_lora_rank(kernel: str) -> int | None:
+    """The largest LoRA rank `kernel`'s fused LoRA serves (None: any)."""
+    if kernel == "cuda":
+        from qerl_lib.kernels.nvfp4_gemv_cuda import MAX_RANK
+
+        return MAX_RANK
+    return None
+
+
+def _gemv_lora(wrapper, max_rank: int | None = None):
     """(A slices, B slices, per-token slots) of vLLM's LoRA wrapper for `nvfp4_gemv`, or None when the
-    fused path does not apply (more than one LoRA slot, another dtype, slices not covering the rows)."""
+    fused path does not apply (more than one LoRA slot, another dtype, slices not covering the rows, a
+    padded rank above `max_rank`): vLLM's own LoRA kernels then run around Marlin."""
     cached = getattr(wrapper, "qerl_gemv_lora", None)
     if cached is None:
         a = [t[0, 0] for t in wrapper.lora_a_stacked]  # slot 0: [max_rank, K]
         b = [t[0, 0] for t in wrapper.lora_b_stacked]  # [n_i, max_rank], scaling folded in by vLLM
         base = wrapper.base_layer
         ok = (wrapper.lora_a_stacked[0].shape[0] == 1 and 1 <= len(a) <= 3
+              and (max_rank is None or a[0].shape[0] <= max_rank)
               and sum(t.shape[0] for t in b) == base.output_size_per_partition
               and all(t.dtype == getattr(base, "params_dtype", None) for t in a + b))
         cached = wrapper.qerl_gemv_lora = (a, b) if ok else False

@@ -30,16 +30,18 @@ per step on the 7B shape, which at batch 1 costs 30% of NVFP4's speed.
   +0.5625 on the host. A merged engine serves one adapter at a time: every request must carry
   the current adapter (`VLLMEngine.generate` passes it), and tensor parallelism keeps the
   unmerged dense path (base dense + LoRA kernels).
-- `QERL_VLLM_GEMV_ROWS=M_g` (off unless set; `rollout.vllm_gemv_rows`): steps of at most M_g rows run
+- `QERL_VLLM_GEMV_ROWS=M_g` (off unless set; `rollout.vllm_gemv_rows`, default 8): steps of at most M_g rows run
   the project's NVFP4 decode GEMM (`qerl_lib.kernels.nvfp4_gemv`: the codes read once, dequantized in
   registers, the LoRA of the linear in the same launch with vLLM's own slot-0 LoRA buffers and per-token
   slots) instead of Marlin + the LoRA kernels, inside the same opaque ops, so CUDA graphs capture it.
   Costs a GPU copy of the packed codes and scales in compressed-tensors layout (+0.5625 bytes per
   weight; Marlin keeps its own permuted copy). Engines with `max_loras` > 1 keep vLLM's LoRA path.
-  `QERL_VLLM_GEMV_KERNEL=cuda` (`rollout.vllm_gemv_kernel`; default `triton`) runs steps of at most 16
-  rows on the CUDA C++ kernel (`qerl_lib.kernels.nvfp4_gemv_cuda`, same call, LoRA shrink + GEMV: two
+  `QERL_VLLM_GEMV_KERNEL=cuda` (`rollout.vllm_gemv_kernel`; `triton` when unset) runs steps of at most
+  16 rows on the CUDA C++ kernel (`qerl_lib.kernels.nvfp4_gemv_cuda`, same call, LoRA shrink + GEMV: two
   launches), built when the model loads, before CUDA graphs are captured; larger steps up to M_g keep
-  the Triton kernel.
+  the Triton kernel. `auto` (the config's default) is `cuda` for at most 16 rows when the extension
+  builds, and no decode GEMM at all (Marlin, with a warning and `gemv_fallback` in
+  `qerl_linear_info`) when it does not (`vllm_gemv.resolve_kernel`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -54,8 +57,10 @@ from typing import Any
 import torch
 
 from qerl_lib.aqn import NoiseInjector, norm_key
-from qerl_lib.rollout.vllm_gemv import (_gemv_lora, gemv_function, gemv_kernel_from_env, gemv_rows_from_env,
-                                        partition_scales)
+from qerl_lib.rollout.vllm_gemv import (GEMV_KERNEL_ENV, _gemv_lora, gemv_function, gemv_kernel_from_env,
+                                        gemv_rows_from_env, max_lora_rank, partition_scales, resolve_kernel)
+
+logger = logging.getLogger(__name__)
 
 DENSE_ABOVE_ENV = "QERL_VLLM_DENSE_ABOVE"
 """Environment variable read in the worker at load: rows above which NVFP4 linears run dense."""
@@ -208,7 +213,8 @@ _STATE: dict[str, Any] = {"installed": False, "layers": [], "lora": {}, "thresho
                           "adapter": None, "gemv_rows": 0, "gemv_kernel": "triton"}
 """Worker-process state: hybrid layers (method, layer) by index, LoRA wrappers by the same index,
 the row threshold (dense above it), vLLM's original `CompressedTensorsLinearMethod.apply`, the merged
-adapter, the rows up to which the decode GEMM runs (0: never)."""
+adapter, the rows up to which the decode GEMM runs (0: never) and which one; `gemv_resolved` (kernel,
+rows) once the worker resolved `QERL_VLLM_GEMV_KERNEL`, `gemv_fallback` why `auto` turned it off."""
 
 
 class _Reentry:
@@ -270,7 +276,9 @@ def install_patches() -> bool:
         wrapper = _STATE["lora"][index]
         base = wrapper.base_layer
         rows = x.numel() // x.shape[-1]
-        lora = _gemv_lora(wrapper) if rows <= _STATE["gemv_rows"] and x.dtype == base.params_dtype else None
+        lora = None
+        if rows <= _STATE["gemv_rows"] and x.dtype == base.params_dtype:
+            lora = _gemv_lora(wrapper, max_lora_rank(_STATE["gemv_kernel"]))
         if lora is not None:  # base + LoRA in one launch; rows whose token carries no adapter get none
             packed, scale, gs, bias = base.qerl_gemv
             a, b, slots = lora
@@ -293,6 +301,16 @@ def install_patches() -> bool:
         threshold = dense_above_from_env()
         gemv_rows = gemv_rows_from_env()
         gemv_kernel = gemv_kernel_from_env()
+        if gemv_rows is not None and _is_nvfp4_a16(layer):
+            if "gemv_resolved" not in _STATE:  # once per worker, at the first NVFP4 layer, before any capture
+                kernel, rows, why = resolve_kernel(gemv_kernel, gemv_rows)
+                _STATE["gemv_resolved"] = (kernel, rows)
+                if why is not None:
+                    _STATE["gemv_fallback"] = why
+                    logger.warning("NVFP4 decode GEMM off (%s=auto; Marlin serves every row count): %s",
+                                   GEMV_KERNEL_ENV, why)
+            gemv_kernel, gemv_rows = _STATE["gemv_resolved"]
+            gemv_rows = gemv_rows or None
         dense = bias = host = gemv = None
         if gemv_rows is not None and _is_nvfp4_a16(layer):
             from qerl_lib.kernels.nvfp4_gemv import counters
@@ -303,10 +321,6 @@ def install_patches() -> bool:
                     partition_scales(layer.weight_global_scale.data, widths),
                     None if b is None else b.detach().clone())  # compressed-tensors layout, before Marlin
             counters(layer.weight_packed.device)  # allocated now, eagerly: CUDA-graph capture comes later
-            if gemv_kernel == "cuda":
-                from qerl_lib.kernels.nvfp4_gemv_cuda import load_extension
-
-                load_extension()  # built (or loaded from its cache) now, not inside a graph capture
         if threshold is not None and _is_nvfp4_a16(layer):
             widths = list(getattr(layer, "logical_widths", None) or [layer.weight_packed.shape[0]])
             host = (_host_copy(layer.weight_packed.data), _host_copy(layer.weight_scale.data),
@@ -326,7 +340,7 @@ def install_patches() -> bool:
             _STATE["layers"].append((self, layer))
             _STATE["threshold"] = threshold if threshold is not None else sys.maxsize  # None: never dense
             _STATE["gemv_rows"] = gemv_rows or 0
-            _STATE["gemv_kernel"] = gemv_kernel
+            _STATE["gemv_kernel"] = gemv_kernel or "off"
 
     def apply(self, layer, x, bias=None):
         index = getattr(layer, "qerl_hybrid_index", None)
@@ -529,7 +543,7 @@ class AQNWorkerExtension:
         return {"kernels": kernels, "hybrid_layers": len(_STATE["layers"]), "merged_lora_layers": len(_STATE["lora"]),
                 "threshold": None if threshold == sys.maxsize else threshold, "dense_bytes": dense_bytes,
                 "host_bytes": host_bytes, "gemv_rows": _STATE["gemv_rows"], "gemv_bytes": gemv_bytes,
-                "gemv_kernel": _STATE["gemv_kernel"],
+                "gemv_kernel": _STATE["gemv_kernel"], "gemv_fallback": _STATE.get("gemv_fallback"),
                 "merged_adapter": _STATE["adapter"],
                 "lora_dual_stream": os.environ.get("VLLM_LORA_ENABLE_DUAL_STREAM", "0") == "1"}
 
