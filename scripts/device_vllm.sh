@@ -12,7 +12,7 @@
 # 30 s idle and /tmp, where the pieces and the install live, goes with it):
 #   scripts/device_vllm.sh install      stash the carried piece; exit 3 until the set is complete, then install
 #                                       vLLM into /tmp/vllm-site (exit 0)
-#   scripts/device_vllm.sh gpu-tests    python -m pytest -m gpu tests/test_vllm_engine_gpu.py
+#   scripts/device_vllm.sh gpu-tests    python -m pytest -m gpu tests/test_vllm_engine_gpu.py tests/test_vllm_gemv_gpu.py
 #   scripts/device_vllm.sh rl           the 2-step RL run of .device/rl with the vLLM backend (qerl run)
 #   scripts/device_vllm.sh bench [ARGS] benchmarks/rollout_throughput.py ARGS (nf4-rR engines: carry .device/exp/d too)
 #   scripts/device_vllm.sh all-b        install (piece b), then gpu-tests and rl, logs under $OUT
@@ -66,7 +66,9 @@ install() {
 
 gpu_tests() {
   gpu_env
-  timeout "${GPU_TESTS_TIMEOUT:-900}" python3 -m pytest -m gpu tests/test_vllm_engine_gpu.py -v -s -p no:cacheprovider \
+  export QERL_CACHE_DIR=${QERL_CACHE_DIR:-/tmp/qerl-cache} PATH=$(dirname "$(command -v python3)"):$PATH  # ninja
+  timeout "${GPU_TESTS_TIMEOUT:-900}" python3 -m pytest -m gpu tests/test_vllm_engine_gpu.py tests/test_vllm_gemv_gpu.py \
+    -v -s -p no:cacheprovider \
     "$@" 2>&1 | tee "$OUT/gpu_tests.log"
   return "${PIPESTATUS[0]}"
 }
