@@ -1,6 +1,10 @@
-"""The worker's decode-GEMM switch at model load, on the CPU: `qerl_lib.rollout.vllm_worker`'s patch of
-vLLM's compressed-tensors linear method, driven against a stand-in for that one vLLM class (vLLM itself is
-GPU-side). Each case runs in a fresh interpreter: the patch registers torch custom ops once per process.
+"""The worker's decode-GEMM switch on the CPU (`qerl_lib.rollout.vllm_gemv`, `qerl_lib.rollout.vllm_worker`;
+vLLM itself is GPU-side, test_vllm_gemv_gpu.py runs it there).
+
+First, at model load: the worker's patch of vLLM's compressed-tensors linear method, driven against a
+stand-in for that one vLLM class. Each case runs in a fresh interpreter: the patch registers torch custom
+ops once per process. Then the switch's pure parts: the environment variables, the kernel choice, the views
+of vLLM's LoRA buffers, and what `rollout.vllm_gemv_*` passes to the engine and to `vllm serve`.
 
 What it pins down (`rollout.vllm_gemv_kernel: auto`, the default): when the CUDA extension builds, an
 NVFP4 layer keeps its compressed-tensors codes for the decode GEMM and steps of at most 8 rows go to it;
@@ -17,6 +21,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+
+from qerl_lib.kernels import nvfp4_gemv_cuda as C
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,7 +95,7 @@ SCRIPT = textwrap.dedent('''
         sys.exit(0)
     out = {"calls": calls[:], "hybrid": getattr(layer, "qerl_hybrid_index", None) is not None,
            "gemv_rows": W._STATE["gemv_rows"], "gemv_kernel": W._STATE["gemv_kernel"],
-           "fallback": W._STATE.get("gemv_fallback")}
+           "fallback": W._STATE["gemv_resolved"][2]}
     for rows in (1, 8, 9):
         method.apply(layer, torch.zeros(rows, k, dtype=torch.bfloat16))
     out["applied"] = calls[len(out["calls"]):]
@@ -125,6 +132,163 @@ def test_auto_keeps_marlin_and_says_why_when_the_build_fails():
 def test_cuda_by_name_fails_the_load_with_the_build_error():
     out = _run("cuda-broken")
     assert "no nvcc here" in out["error"]
+
+
+# ---------------------------------------------------------------------------------------
+# The switch's pure parts: environment, kernel choice, LoRA views, what reaches the engine
+# ---------------------------------------------------------------------------------------
+
+
+def test_worker_gemv_rows_env(monkeypatch):
+    from qerl_lib.rollout.vllm_gemv import GEMV_ROWS_ENV, gemv_rows_from_env
+
+    for raw, want in (("", None), ("0", None), ("off", None), ("16", 16), (" 48 ", 48)):
+        monkeypatch.setenv(GEMV_ROWS_ENV, raw)
+        assert gemv_rows_from_env() == want
+    monkeypatch.delenv(GEMV_ROWS_ENV)
+    assert gemv_rows_from_env() is None
+    monkeypatch.setenv(GEMV_ROWS_ENV, "65")
+    with pytest.raises(ValueError):
+        gemv_rows_from_env()
+
+
+def test_gemv_rows_reaches_the_served_engine(tmp_path):
+    """`rollout.vllm_gemv_rows` (8 by default) becomes the worker's `QERL_VLLM_GEMV_ROWS` for `vllm serve`
+    of an NVFP4 base; 0, or a BF16 base, sets nothing, so vLLM's own path (and its compile cache) stays."""
+    from qerl_lib.config import QerlConfig
+    from qerl_lib.rollout.serve import vllm_command
+    from qerl_lib.rollout.vllm_gemv import GEMV_ROWS_ENV
+
+    (tmp_path / "config.json").write_text('{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}')
+    cfg = QerlConfig()
+    assert cfg.model.quant == "nvfp4" and cfg.rollout.vllm_gemv_rows == 8
+    _, env = vllm_command(cfg, tmp_path, "127.0.0.1", 8000)
+    assert env[GEMV_ROWS_ENV] == "8" and env["VLLM_DISABLE_COMPILE_CACHE"] == "1"
+    cfg.rollout.vllm_gemv_rows = 16
+    _, env = vllm_command(cfg, tmp_path, "127.0.0.1", 8000)
+    assert env[GEMV_ROWS_ENV] == "16"
+    cfg.rollout.vllm_gemv_rows = 0
+    _, env = vllm_command(cfg, tmp_path, "127.0.0.1", 8000)
+    assert GEMV_ROWS_ENV not in env
+    bf16 = QerlConfig.model_validate({"model": {"quant": "bf16"}})
+    assert bf16.rollout.vllm_gemv_rows == 8
+    _, env = vllm_command(bf16, tmp_path, "127.0.0.1", 8000)
+    assert GEMV_ROWS_ENV not in env
+
+
+def test_engine_gets_gemv_rows_only_for_nvfp4():
+    from qerl_lib.config import QerlConfig
+    from qerl_lib.policy import gemv_rows_for
+
+    assert gemv_rows_for(QerlConfig()) == 8
+    assert gemv_rows_for(QerlConfig.model_validate({"rollout": {"vllm_gemv_rows": 0}})) is None
+    for quant in ("bf16", "nf4"):
+        assert gemv_rows_for(QerlConfig.model_validate({"model": {"quant": quant}})) is None
+
+
+def test_worker_partition_scales():
+    from qerl_lib.rollout.vllm_gemv import partition_scales
+
+    got = partition_scales(torch.tensor([2.0, 5.0, 7.0]), [3, 1, 2])
+    assert got.dtype == torch.float32 and got.tolist() == [2.0, 2.0, 2.0, 5.0, 7.0, 7.0]
+    with pytest.raises(ValueError):
+        partition_scales(torch.tensor([2.0]), [3, 1])
+
+
+def test_worker_gemv_lora_views():
+    """The fused path takes zero-copy slot-0 views of vLLM's stacked LoRA buffers and the per-token slots;
+    engines with more than one slot, another dtype, or B slices not covering the rows keep vLLM's path."""
+    from types import SimpleNamespace
+
+    from qerl_lib.rollout.vllm_gemv import _gemv_lora
+
+    def wrapper(max_loras=1, dtype=torch.bfloat16, widths=(64, 16, 16), out=96):
+        a = tuple(torch.zeros(max_loras, 1, 16, 32, dtype=dtype) for _ in widths)
+        b = tuple(torch.zeros(max_loras, 1, w, 16, dtype=dtype) for w in widths)
+        base = SimpleNamespace(output_size_per_partition=out, params_dtype=torch.bfloat16)
+        return SimpleNamespace(lora_a_stacked=a, lora_b_stacked=b, base_layer=base,
+                               punica_wrapper=SimpleNamespace(_token_lora_indices=torch.zeros(256, dtype=torch.long)))
+
+    w = wrapper()
+    a, b, slots = _gemv_lora(w)
+    assert [t.shape for t in a] == [(16, 32)] * 3 and [tuple(t.shape) for t in b] == [(64, 16), (16, 16), (16, 16)]
+    assert all(t.data_ptr() == s.data_ptr() for t, s in zip(a + b, w.lora_a_stacked + w.lora_b_stacked))
+    assert slots is w.punica_wrapper._token_lora_indices
+    assert _gemv_lora(wrapper(max_loras=2)) is None
+    assert _gemv_lora(wrapper(dtype=torch.float16)) is None
+    assert _gemv_lora(wrapper(out=100)) is None
+    assert _gemv_lora(wrapper(), max_rank=16) is not None
+    assert _gemv_lora(wrapper(), max_rank=8) is None  # the CUDA kernel's rank cap: vLLM's LoRA path instead
+
+
+def test_worker_gemv_kernel_env(monkeypatch):
+    from qerl_lib.rollout.vllm_gemv import GEMV_KERNEL_ENV, gemv_kernel_from_env
+
+    monkeypatch.delenv(GEMV_KERNEL_ENV, raising=False)
+    assert gemv_kernel_from_env() == "triton"
+    for raw, want in (("", "triton"), ("triton", "triton"), (" CUDA ", "cuda")):
+        monkeypatch.setenv(GEMV_KERNEL_ENV, raw)
+        assert gemv_kernel_from_env() == want
+    monkeypatch.setenv(GEMV_KERNEL_ENV, "marlin")
+    with pytest.raises(ValueError):
+        gemv_kernel_from_env()
+
+
+def test_worker_resolves_auto(monkeypatch):
+    """`auto` is the CUDA kernel, capped at its 16 rows, when the extension builds; when the build fails
+    the decode GEMM is off (Marlin) with the reason; `cuda` named explicitly raises the build error."""
+    from qerl_lib.rollout.vllm_gemv import resolve_kernel
+
+    monkeypatch.setattr(C, "load_extension", lambda: object())
+    assert resolve_kernel("auto", 8) == ("cuda", 8, None)
+    assert resolve_kernel("auto", 32) == ("cuda", C.MAX_ROWS, None)
+    assert resolve_kernel("cuda", 32) == ("cuda", 32, None)  # larger steps keep Triton (gemv_function)
+    assert resolve_kernel("triton", 32) == ("triton", 32, None)
+
+    def broken():
+        raise RuntimeError("nvfp4_gemv_cuda: building the CUDA extension failed (no nvcc)")
+
+    monkeypatch.setattr(C, "load_extension", broken)
+    kernel, rows, why = resolve_kernel("auto", 8)
+    assert (kernel, rows) == (None, 0) and "no nvcc" in why and why.startswith("RuntimeError")
+    with pytest.raises(RuntimeError, match="no nvcc"):
+        resolve_kernel("cuda", 8)
+    assert resolve_kernel("triton", 8) == ("triton", 8, None)
+    with pytest.raises(ValueError):
+        resolve_kernel("marlin", 8)
+
+
+def test_worker_gemv_function_dispatch():
+    """`cuda` serves steps of at most 16 rows with the CUDA kernel; larger steps and `triton` keep Triton."""
+    pytest.importorskip("triton")
+    from qerl_lib.kernels import nvfp4_gemv as T
+    from qerl_lib.rollout.vllm_gemv import gemv_function
+
+    assert gemv_function(1, "cuda") is C.nvfp4_gemv and gemv_function(16, "cuda") is C.nvfp4_gemv
+    assert gemv_function(17, "cuda") is T.nvfp4_gemv and gemv_function(4, "triton") is T.nvfp4_gemv
+
+
+def test_gemv_kernel_reaches_the_served_engine(tmp_path):
+    """`rollout.vllm_gemv_kernel` travels with `vllm_gemv_rows` as `QERL_VLLM_GEMV_KERNEL`; without rows, neither."""
+    from qerl_lib.config import QerlConfig
+    from qerl_lib.rollout.serve import vllm_command
+    from qerl_lib.rollout.vllm_engine import VLLMEngine
+    from qerl_lib.rollout.vllm_gemv import GEMV_KERNEL_ENV
+
+    (tmp_path / "config.json").write_text('{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}')
+    cfg = QerlConfig()
+    assert cfg.rollout.vllm_gemv_kernel == "auto"
+    _, env = vllm_command(cfg, tmp_path, "127.0.0.1", 8000)
+    assert env[GEMV_KERNEL_ENV] == "auto"
+    cfg.rollout.vllm_gemv_kernel = "cuda"
+    cfg.rollout.vllm_gemv_rows = 0
+    _, env = vllm_command(cfg, tmp_path, "127.0.0.1", 8000)
+    assert GEMV_KERNEL_ENV not in env
+    cfg.rollout.vllm_gemv_rows = 16
+    _, env = vllm_command(cfg, tmp_path, "127.0.0.1", 8000)
+    assert env[GEMV_KERNEL_ENV] == "cuda"
+    with pytest.raises(ValueError):
+        VLLMEngine(tmp_path, gemv_kernel="marlin", llm=object())
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -93,8 +93,9 @@ def vllm_command(cfg, checkpoint: Path, host: str, port: int) -> tuple[list[str]
         env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     if rc.vllm_lora_dual_stream:
         env["VLLM_LORA_ENABLE_DUAL_STREAM"] = "1"
-    if gemv_rows_for(cfg):
-        env[GEMV_ROWS_ENV] = str(gemv_rows_for(cfg))
+    gemv_rows = gemv_rows_for(cfg)
+    if gemv_rows:
+        env[GEMV_ROWS_ENV] = str(gemv_rows)
         env[GEMV_KERNEL_ENV] = rc.vllm_gemv_kernel
         env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     if cfg.parallel.rollout_tensor_parallel > 1:

@@ -49,18 +49,17 @@ def resolve_kernel(kernel: str, rows: int) -> tuple[str | None, int, str | None]
     for by name. `triton` is returned as given. Builds now, at load, never inside a CUDA-graph capture."""
     if kernel == "triton":
         return "triton", rows, None
+    if kernel not in GEMV_KERNELS:
+        raise ValueError(f"{GEMV_KERNEL_ENV}={kernel}: one of {GEMV_KERNELS}")
     from qerl_lib.kernels import nvfp4_gemv_cuda
 
-    if kernel == "cuda":
-        nvfp4_gemv_cuda.load_extension()
-        return "cuda", rows, None
-    if kernel != "auto":
-        raise ValueError(f"{GEMV_KERNEL_ENV}={kernel}: one of {GEMV_KERNELS}")
     try:
         nvfp4_gemv_cuda.load_extension()
     except Exception as e:  # noqa: BLE001 - any failed build leaves vLLM's path in place, and says why
+        if kernel == "cuda":
+            raise
         return None, 0, f"{type(e).__name__}: {e}"
-    return "cuda", min(rows, nvfp4_gemv_cuda.MAX_ROWS), None
+    return "cuda", rows if kernel == "cuda" else min(rows, nvfp4_gemv_cuda.MAX_ROWS), None
 
 
 def gemv_function(rows: int, kernel: str):

@@ -47,9 +47,9 @@ per step on the 7B shape, which at batch 1 costs 30% of NVFP4's speed.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
-import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -213,8 +213,8 @@ _STATE: dict[str, Any] = {"installed": False, "layers": [], "lora": {}, "thresho
                           "adapter": None, "gemv_rows": 0, "gemv_kernel": "triton"}
 """Worker-process state: hybrid layers (method, layer) by index, LoRA wrappers by the same index,
 the row threshold (dense above it), vLLM's original `CompressedTensorsLinearMethod.apply`, the merged
-adapter, the rows up to which the decode GEMM runs (0: never) and which one; `gemv_resolved` (kernel,
-rows) once the worker resolved `QERL_VLLM_GEMV_KERNEL`, `gemv_fallback` why `auto` turned it off."""
+adapter, the rows up to which the decode GEMM runs (0: never) and which one; `gemv_resolved`: what
+`resolve_kernel` gave for `QERL_VLLM_GEMV_KERNEL` (kernel, rows, why `auto` turned it off), once set."""
 
 
 class _Reentry:
@@ -232,6 +232,18 @@ def _is_nvfp4_a16(layer) -> bool:
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=torch.cuda.is_available())
     return out.copy_(t.detach())
+
+
+def _resolved_gemv(kernel: str, rows: int) -> tuple[str | None, int | None]:
+    """(kernel, rows) this worker's decode GEMM runs (rows None: off), resolved once by `resolve_kernel`
+    at the first NVFP4 layer, before any CUDA-graph capture; a fallback is logged with its reason."""
+    if "gemv_resolved" not in _STATE:
+        _STATE["gemv_resolved"] = resolve_kernel(kernel, rows)
+        if _STATE["gemv_resolved"][2] is not None:
+            logger.warning("NVFP4 decode GEMM off (%s=auto; Marlin serves every row count): %s",
+                           GEMV_KERNEL_ENV, _STATE["gemv_resolved"][2])
+    kernel, rows, _ = _STATE["gemv_resolved"]
+    return kernel, rows or None
 
 
 def install_patches() -> bool:
@@ -302,15 +314,7 @@ def install_patches() -> bool:
         gemv_rows = gemv_rows_from_env()
         gemv_kernel = gemv_kernel_from_env()
         if gemv_rows is not None and _is_nvfp4_a16(layer):
-            if "gemv_resolved" not in _STATE:  # once per worker, at the first NVFP4 layer, before any capture
-                kernel, rows, why = resolve_kernel(gemv_kernel, gemv_rows)
-                _STATE["gemv_resolved"] = (kernel, rows)
-                if why is not None:
-                    _STATE["gemv_fallback"] = why
-                    logger.warning("NVFP4 decode GEMM off (%s=auto; Marlin serves every row count): %s",
-                                   GEMV_KERNEL_ENV, why)
-            gemv_kernel, gemv_rows = _STATE["gemv_resolved"]
-            gemv_rows = gemv_rows or None
+            gemv_kernel, gemv_rows = _resolved_gemv(gemv_kernel, gemv_rows)
         dense = bias = host = gemv = None
         if gemv_rows is not None and _is_nvfp4_a16(layer):
             from qerl_lib.kernels.nvfp4_gemv import counters
@@ -543,7 +547,7 @@ class AQNWorkerExtension:
         return {"kernels": kernels, "hybrid_layers": len(_STATE["layers"]), "merged_lora_layers": len(_STATE["lora"]),
                 "threshold": None if threshold == sys.maxsize else threshold, "dense_bytes": dense_bytes,
                 "host_bytes": host_bytes, "gemv_rows": _STATE["gemv_rows"], "gemv_bytes": gemv_bytes,
-                "gemv_kernel": _STATE["gemv_kernel"], "gemv_fallback": _STATE.get("gemv_fallback"),
+                "gemv_kernel": _STATE["gemv_kernel"], "gemv_fallback": _STATE.get("gemv_resolved", (None, 0, None))[2],
                 "merged_adapter": _STATE["adapter"],
                 "lora_dual_stream": os.environ.get("VLLM_LORA_ENABLE_DUAL_STREAM", "0") == "1"}
 
