@@ -30,6 +30,8 @@ sizes = the batch sizes):
               in the launch) for steps of at most `--gemv-rows` sequences instead of Marlin + LoRA kernels
               (`--gemv-kernel cuda`: the CUDA C++ kernel `nvfp4_gemv_cuda` for steps of at most 16)
   ...-ds      suffix: vLLM's LoRA kernels on a second CUDA stream (VLLM_LORA_ENABLE_DUAL_STREAM)
+  ...-pdl     suffix (nvfp4g with `--gemv-kernel cuda`): the CUDA decode GEMM as a programmatic dependent
+              launch (QERL_GEMV_PDL=1, `qerl_lib.kernels.nvfp4_gemv_cuda`)
 "No LoRA" is measured on the rank-16 engines with requests that carry no adapter (vLLM
 captures separate CUDA graphs for batches without LoRA).
 
@@ -265,12 +267,15 @@ def run_child(cmd: list[str], timeout: float) -> int | str:
 # ----------------------------------------------------------------------------- one engine (child process)
 
 
-def parse_spec(spec: str) -> tuple[str, int, bool]:
-    """`FMT-rR[-ds]` -> (format, max LoRA rank, LoRA kernels on a second CUDA stream)."""
+def parse_spec(spec: str) -> tuple[str, int, bool, bool]:
+    """`FMT-rR[-ds][-pdl]` -> (format, max LoRA rank, LoRA kernels on a second CUDA stream, PDL decode GEMM)."""
+    pdl = spec.endswith("-pdl")
+    spec = spec.removesuffix("-pdl")
     dual = spec.endswith("-ds")
     fmt, rank = spec.removesuffix("-ds").split("-r")
     assert fmt in ("bf16", "nvfp4", "nvfp4h", "nvfp4g", "nf4"), spec
-    return fmt, int(rank), dual
+    assert not pdl or fmt == "nvfp4g", f"-pdl applies to nvfp4g engines only: {spec}"
+    return fmt, int(rank), dual, pdl
 
 
 def run_engine(args) -> None:
@@ -279,13 +284,18 @@ def run_engine(args) -> None:
     from qerl_lib.rollout.sampling import SamplingParams
     from qerl_lib.rollout.vllm_engine import VLLMEngine
 
-    fmt, rank, dual = parse_spec(args.child)
+    fmt, rank, dual, pdl = parse_spec(args.child)
+    if pdl:
+        from qerl_lib.kernels.nvfp4_gemv_cuda import PDL_ENV
+
+        os.environ[PDL_ENV] = "1"  # inherited by vLLM's worker; read at each call, i.e. when its graphs capture
     work = Path(args.work)
     out_path = work / f"engine-{args.child}.json"
     loras = [int(x) for x in args.loras.split(",")] if args.loras else ([rank, 0] if rank == 16 else [rank])
     batches = [int(b) for b in args.batches.split(",")]
     deadline = float(args.deadline)
-    result = {"spec": args.child, "format": fmt, "max_lora_rank": rank, "lora_dual_stream": dual, "cells": [],
+    result = {"spec": args.child, "format": fmt, "max_lora_rank": rank, "lora_dual_stream": dual, "gemv_pdl": pdl,
+              "cells": [],
               "skipped": []}
 
     def save():

@@ -159,7 +159,7 @@ class RolloutConfig(_Section):
     (codes read once, dequantized in registers, the LoRA in the same call) instead of Marlin + vLLM's
     LoRA kernels; 0 keeps vLLM's path. Default 8: the measured crossover of the CUDA kernel with LoRA
     r16 against the best of Marlin + LoRA and BF16 + dual-stream LoRA (H200, 7B shape, all linears of a
-    decode step: 2.61 vs 3.67 ms at 1 row, 3.31 vs 3.63 at 8, 4.92 vs 3.90 at 16;
+    decode step: 2.50 vs 3.65 ms at 1 row, 3.13 vs 3.61 at 8, 4.91 vs 3.89 at 16;
     `benchmarks/results/nvfp4_gemv.json`); end to end at batch 1: 263.9 tok/s against 185.3 for BF16 +
     dual-stream LoRA (`benchmarks/results/rollout_throughput_cuda_gemv.json`). Costs a GPU copy of the
     packed weights (+0.5625 bytes per quantized weight, 3.7 GB for 7B). BF16 and NF4 engines ignore it."""

@@ -60,6 +60,10 @@ MAX_WARPS = 16
 """Warps per block (WR x WK), as compiled."""
 MAX_RANK = 64
 """Largest LoRA rank (t [M, slices * rank] is staged in shared memory)."""
+MAX_CHUNKS_PER_WARP = 20
+"""`plan` splits K over more warps rather than give one warp more chunks of 128 k than this (unless no
+split can). Measured on the H200 (benchmarks/results/nvfp4_gemv.json, 7B gate|up, 28 chunks, equal
+score): one warp per block 1.110 ms, two 1.002 ms; down's 8 warps x 18.5 chunks is its best (0.610)."""
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("nvfp4_gemv.cu", "nvfp4_gemv_bind.cpp")
 HEADERS = ("nvfp4_gemv.h", "nvfp4_gemv.cuh")
@@ -158,9 +162,10 @@ def plan(m: int, n: int, k: int, num_sms: int = 132, regs: int = 112) -> dict:
     balance * saturation, where balance is (blocks per SM) / ceil(blocks per SM) (of the slots when
     there are several waves: their fill), and saturation min(1, resident warps per SM / 8) (8 warps
     keep about 32 KB of codes in flight per SM, the latency-bandwidth product); ties go to fewer
-    waves, then more warps per block (fewer chunks per warp: all its loads in one round). On the 7B
-    shapes at M <= 8 and 112 registers: q|k|v 4, o 8, gate|up 1 (one wave of 18 one-warp
-    blocks per SM), down 8. MT = n-tiles of 8 x rows; U = chunks in flight.
+    waves, then more warps per block (fewer chunks per warp: all its loads in one round). A WK that
+    leaves a warp more than `MAX_CHUNKS_PER_WARP` chunks is taken only when no WK passes. On the 7B
+    shapes at M <= 8 and 112 registers: q|k|v 4, o 8, gate|up 2 (two waves of 9 two-warp blocks per
+    SM; one warp would loop over all 28 chunks), down 8. MT = n-tiles of 8 x rows; U = chunks in flight.
     """
     return dict(_plan(m, n, k, num_sms, regs))
 
@@ -188,7 +193,7 @@ def _plan(m: int, n: int, k: int, num_sms: int, regs: int) -> tuple:
             balance = (tiles / num_sms) / math.ceil(tiles / num_sms)
         resident = min(per_sm, math.ceil(tiles / num_sms)) * wk
         score = round(balance * min(1.0, resident / 8), 3)
-        key = (score, -waves, wk)
+        key = (math.ceil(chunks / wk) <= MAX_CHUNKS_PER_WARP, score, -waves, wk)
         if best is None or key > best[0]:
             best = (key, dict(WR=1, WK=wk, threads=threads, blocks=tiles, waves=waves, score=score))
     cfg = best[1]
