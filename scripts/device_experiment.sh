@@ -223,10 +223,9 @@ EOF
 # Issue 16 on the H200: experiments/qwen05_gsm8k, calls back to back (/tmp lives only while warm):
 #   1  carry .device/vllm/a .device/exp/w .device/snap.tgz
 #                                              bash .device/vllm/a/install.sh; bash scripts/device_experiment.sh keep-w
-#   2  carry .device/vllm/b .device/exp/g .device/qwen05/p0
-#                                              bash .device/vllm/b/install.sh && bash scripts/device_experiment.sh keep-w
-#                                              && bash scripts/device_experiment.sh qwen05
-#   3-11 carry .device/qwen05/pN               bash scripts/device_experiment.sh qwen05
+#   2  carry .device/vllm/b .device/exp/g     bash .device/vllm/b/install.sh && bash scripts/device_experiment.sh keep-w
+#        (not p0 as well: with the repository's own files that passed the 64 MiB a call carries, session 11)
+#   3-12 carry .device/qwen05/pN, N = 0..9     bash scripts/device_experiment.sh qwen05
 #        (the last piece joins and checks the GGUF; then `qwen-convert` converts it once to BF16 and NVFP4)
 #   11, 12 (no carry)                          bash scripts/device_experiment.sh qwen-arms
 #        (runs the arm:seed:base-eval list QWEN_RUNS, QWEN_PARALLEL (4) at a time with OMP_NUM_THREADS=3,

@@ -3,8 +3,10 @@
     python experiments/qwen05_gsm8k/summarize.py --archive DIR [--archive DIR ...]
 
 Each DIR is an unpacked `qwen_arms_*.tgz` of `scripts/device_experiment.sh qwen-arms` (its `runs/ARM/seedS`
-workspaces: reports, eval metrics, per-step metric files; and `logs/`). A later archive replaces an
-earlier one's files. Writes, beside this file:
+workspaces: reports, eval metrics, per-step metric files; and `logs/`). A run in an archive replaces
+the same arm and seed in `results/runs` as a whole (an archive holds a workspace's full state, and a
+re-run of a seed must not keep an earlier attempt's files); runs it does not hold stay. Writes,
+beside this file:
 
 - `results/runs/ARM/seedS/`: the files that the figures come from (steps.csv, eval.csv, metrics.json,
   stage_times.jsonl, config.yaml, vllm_engine.json, convert_report.json, eval/step=K/metrics.json, and
@@ -12,9 +14,11 @@ earlier one's files. Writes, beside this file:
 - `results/summary.json`: one row per (arm, seed) with `arm`, `seed`, `steps` (RL steps done),
   `greedy_acc`, `pass1` (pass@1 over k samples), their standard errors, `n_test`, wall-clock; the base
   rows (`arm: "base"` for BF16, `arm: "base_nvfp4"` for the NVFP4 base) from the step-0 evaluations;
-  runs that did not reach their last step are listed under `incomplete` with the step they reached;
+  runs without an evaluation at their last step are listed under `incomplete` with the steps they
+  trained (`steps` = `planned` when only the final evaluation was cut);
 - `results/curves.png`: reward, entropy, KL to the base and kept fraction per step, one line per arm
-  (the mean over its finished seeds, with a band of +- one standard deviation where there are two or more).
+  (the mean over its seeds that trained every step, evaluated or not, with a band of +- one standard
+  deviation where there are two or more).
 """
 
 from __future__ import annotations
@@ -77,6 +81,8 @@ def collect(archives: list[Path], out: Path) -> None:
     for arc in archives:
         for ws in sorted(arc.glob("runs/*/seed*")):
             dest = out / "runs" / ws.parent.name / ws.name
+            if dest.exists():
+                shutil.rmtree(dest)
             command = run_command(ws)
             for rel in KEEP:
                 if (ws / rel).is_file():
@@ -129,7 +135,8 @@ def summarize(out: Path) -> dict:
                          "pass1": m["pass_at_1"], "pass1_se": m["pass_at_1_se"], "k": m["k"],
                          "n_test": m["n_prompts"], "greedy_format_rate": m["greedy_format_rate"]})
         if planned not in evals:
-            incomplete.append({"arm": arm, "seed": seed, "steps": steps, "planned": planned})
+            incomplete.append({"arm": arm, "seed": seed, "steps": steps, "planned": planned,
+                               "seconds_by_stage": by_stage})
             continue
         m = evals[planned]
         rows.append({"arm": arm, "seed": seed, "steps": steps, "greedy_acc": m["greedy_acc"],
@@ -148,8 +155,9 @@ def summarize(out: Path) -> dict:
             agg[f"{key}_std"] = statistics.stdev(vals) if len(vals) > 1 else None
         per_arm[arm] = agg
     return {"base": base, "rows": base + rows, "per_arm": per_arm, "incomplete": incomplete,
-            "command": "python experiments/qwen05_gsm8k/summarize.py --archive <unpacked qwen_arms_call11.tgz> "
-                       "--archive <...call12.tgz> --archive <...call13.tgz>",
+            "command": "python experiments/qwen05_gsm8k/summarize.py --archive <unpacked qwen_arms_*.tgz> "
+                       "(once per session's archive: each adds its runs to results/runs, then all of "
+                       "results/runs is summarized; docs/results_qwen05_gsm8k.md lists the sessions)",
             "runs_made_by": "results/runs/*/seed*/*.json: their `command`"}
 
 
@@ -200,7 +208,9 @@ def main() -> None:
         print(f"{r['arm']:>14} seed {r['seed']} steps {r['steps']:>2}: greedy {r['greedy_acc']:.3f} ± {r['greedy_se']:.3f}"
               f"  pass@1 {r['pass1']:.3f} ± {r['pass1_se']:.3f}  (n={r['n_test']})")
     for r in summary["incomplete"]:
-        print(f"{r['arm']:>14} seed {r['seed']}: stopped after {r['steps']} of {r['planned']} steps (not counted)")
+        why = ("trained every step, its final evaluation did not finish" if r["steps"] >= r["planned"]
+               else f"stopped after {r['steps']} of {r['planned']} steps")
+        print(f"{r['arm']:>14} seed {r['seed']}: {why} (not counted)")
 
 
 if __name__ == "__main__":
