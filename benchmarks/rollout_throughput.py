@@ -278,6 +278,28 @@ def parse_spec(spec: str) -> tuple[str, int, bool, bool]:
     return fmt, int(rank), dual, pdl
 
 
+GUESS_TOK_S = {1: 150, 8: 1150, 64: 7500, 256: 13000}
+"""Decode tokens/s per batch, conservative, used only to decide whether a cell fits the time left."""
+
+
+def cell_need(batch: int, trials: int, decode: int) -> float:
+    """Seconds a cell is expected to take (its trials, a warm-up, 10 % margin) at `GUESS_TOK_S`."""
+    return 1.1 * (trials + 0.5) * (batch * decode / GUESS_TOK_S.get(batch, 10000) + 0.5)
+
+
+def cell_deadline(now: float, deadline: float, engines_after: int, startup_s: float, first_cell_s: float) -> float:
+    """When an engine that is up at `now` must stop starting cells.
+
+    Its fair share of what is left once the `engines_after` engines still to run have started (each
+    taking about this engine's own `startup_s`), but at least its first cell (`first_cell_s`), and
+    never past the run's `deadline`. Shares are taken when the engine is up, not when it is spawned,
+    because start-up varies (49-115 s for the 7B shape) and can eat a share made before it: session
+    11's three engines each got about 100 s that way and measured no cell at all.
+    """
+    share = (deadline - now - engines_after * startup_s) / (engines_after + 1)
+    return min(deadline, now + max(share, first_cell_s))
+
+
 def run_engine(args) -> None:
     import torch
 
@@ -322,7 +344,9 @@ def run_engine(args) -> None:
     result["gpu_memory_utilization"] = args.mem
     print(f"[{args.child}] engine up in {eng.stats.startup_seconds:.1f} s: {result['linear_info']}", flush=True)
     save()
-    guess = {1: 150, 8: 1150, 64: 7500, 256: 13000}  # tok/s, conservative, for the deadline only
+    first = cell_need(batches[0], args.trials_large if batches[0] >= args.large_batch else args.trials, args.decode)
+    deadline = cell_deadline(time.time(), deadline, args.engines_after, eng.stats.startup_seconds, first)
+    result["cell_deadline_in_s"] = round(deadline - time.time(), 1)
     gen = torch.Generator().manual_seed(1234)
 
     def prompts(b):
@@ -334,7 +358,7 @@ def run_engine(args) -> None:
         eng.set_policy(adapter, lora)
         for b in batches:
             trials = args.trials_large if b >= args.large_batch else args.trials
-            need = 1.1 * (trials + 0.5) * (b * args.decode / guess.get(b, 10000) + 0.5)
+            need = cell_need(b, trials, args.decode)
             if time.time() + need > deadline:
                 result["skipped"].append({"lora_rank": lora, "batch": b, "reason": f"deadline ({need:.0f} s needed)"})
                 print(f"[{args.child}] skip lora {lora} batch {b}: deadline", flush=True)
@@ -478,14 +502,15 @@ def driver(args) -> None:
     specs = args.engines.split(",")
     for n, spec in enumerate(specs):
         left = deadline - time.time()
-        # each engine gets a fair share of what is left, so a cut falls on every engine's last cells
-        share = left if args.no_share else left / (len(specs) - n)
+        # each engine gets a fair share of what is left after the later engines' start-up (taken by the
+        # child once it is up: `cell_deadline`), so a cut falls on every engine's last cells
+        after = 0 if args.no_share else len(specs) - n - 1
         if left < args.min_engine_s:
             res["engines"][spec] = {"skipped": f"deadline: {left:.0f} s left"}
             print(f"skip engine {spec}: {left:.0f} s left", flush=True)
             continue
         cmd = [sys.executable, __file__, "--child", spec, "--work", str(work),
-               "--deadline", str(min(deadline, time.time() + share) - 5),
+               "--deadline", str(deadline - 5), "--engines-after", str(after),
                "--dense-above", str(dense_above), "--prompt", str(args.prompt), "--decode", str(args.decode),
                "--batches", args.batches, "--trials", str(args.trials), "--trials-large", str(args.trials_large),
                "--large-batch", str(args.large_batch), "--mem", str(args.mem), "--gemv-rows", str(args.gemv_rows),
@@ -557,6 +582,7 @@ def main() -> None:
     p.add_argument("--no-profile", action="store_true", help="skip the GEMM profile and reuse the synthetic checkpoint if present")
     p.add_argument("--merge", nargs="+", default=None, help="combine these result files into --out")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--engines-after", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--deadline", default=None, help=argparse.SUPPRESS)
     p.add_argument("--loras", default=None, help="LoRA ranks each engine measures, 0 = none (default: R and 0 on rank-16 engines, R else)")
     args = p.parse_args()

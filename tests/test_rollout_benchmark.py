@@ -89,3 +89,15 @@ def test_merge_keeps_the_cells_of_an_engine_measured_in_two_runs(tmp_path):
     assert [(c["batch"], c["run"]) for c in m["engines"]["bf16-r16"]["cells"]] == [(1, 0), (256, 1)]
     ratio = {(r["engine"], r["batch"]): r.get("over_bf16") for r in m["summary"]["rows"]}
     assert ratio[("nf4-r16", 1)] == round(140 / 150, 3) and ratio[("nf4-r16", 256)] == round(11000 / 18000, 3)
+
+
+def test_cell_deadline_shares_the_time_left_after_later_engines_start():
+    need = rt.cell_need(1, 3, 512)
+    assert need == pytest.approx(1.1 * 3.5 * (512 / 150 + 0.5))
+    # ample time: a third of what is left once the two later engines (50 s each) have started
+    assert rt.cell_deadline(0.0, 540.0, 2, 50.0, need) == pytest.approx(440 / 3)
+    # session 11: the first engine came up 114.5 s into 310 s with two to go; it still gets its first cell
+    assert rt.cell_deadline(114.5, 310.0, 2, 114.5, need) == pytest.approx(114.5 + need)
+    # the last engine takes all that is left, and no engine runs past the deadline
+    assert rt.cell_deadline(100.0, 500.0, 0, 50.0, need) == 500.0
+    assert rt.cell_deadline(300.0, 310.0, 0, 50.0, need) == 310.0
