@@ -62,8 +62,9 @@ MAX_RANK = 64
 """Largest LoRA rank (t [M, slices * rank] is staged in shared memory)."""
 MAX_CHUNKS_PER_WARP = 20
 """`plan` splits K over more warps rather than give one warp more chunks of 128 k than this (unless no
-split can). Measured on the H200 (benchmarks/results/nvfp4_gemv.json, 7B gate|up, 28 chunks, equal
-score): one warp per block 1.110 ms, two 1.002 ms; down's 8 warps x 18.5 chunks is its best (0.610)."""
+split can). Measured on the H200, 7B gate|up at 1 row (28 chunks, equal score): one warp per block
+1.110 ms, two 1.002 ms, down's 8 warps x 18.5 chunks its best (0.610: nvfp4_gemv_session10.json's
+sweep); with this rule the plan runs gate|up in 1.004 ms (benchmarks/results/nvfp4_gemv.json)."""
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("nvfp4_gemv.cu", "nvfp4_gemv_bind.cpp")
 HEADERS = ("nvfp4_gemv.h", "nvfp4_gemv.cuh")
