@@ -193,11 +193,11 @@ def dense_above_for(cfg: QerlConfig, checkpoint: Path) -> int | None:
     return int(rc.vllm_dense_above)
 
 
-def gemv_rows_for(cfg: QerlConfig) -> int | None:
-    """`rollout.vllm_gemv_rows` where it applies (an NVFP4 base), else None: the decode GEMM reads NVFP4
-    codes, and an engine without it keeps vLLM's compile cache."""
+def gemv_rows_for(cfg: QerlConfig, quant: str | None = None) -> int | None:
+    """`rollout.vllm_gemv_rows` where it applies (an NVFP4 base: `quant`, default `model.quant`), else
+    None: the decode GEMM reads NVFP4 codes, and an engine without it keeps vLLM's compile cache."""
     rows = cfg.rollout.vllm_gemv_rows
-    return int(rows) if rows and cfg.model.quant == "nvfp4" else None
+    return int(rows) if rows and (quant or cfg.model.quant) == "nvfp4" else None
 
 
 def get_engine(cfg: QerlConfig, checkpoint: Path):

@@ -313,10 +313,11 @@ def install_patches() -> bool:
         threshold = dense_above_from_env()
         gemv_rows = gemv_rows_from_env()
         gemv_kernel = gemv_kernel_from_env()
-        if gemv_rows is not None and _is_nvfp4_a16(layer):
+        nvfp4 = _is_nvfp4_a16(layer)
+        if gemv_rows is not None and nvfp4:
             gemv_kernel, gemv_rows = _resolved_gemv(gemv_kernel, gemv_rows)
         dense = bias = host = gemv = None
-        if gemv_rows is not None and _is_nvfp4_a16(layer):
+        if gemv_rows is not None and nvfp4:
             from qerl_lib.kernels.nvfp4_gemv import counters
 
             widths = list(getattr(layer, "logical_widths", None) or [layer.weight_packed.shape[0]])
@@ -325,7 +326,7 @@ def install_patches() -> bool:
                     partition_scales(layer.weight_global_scale.data, widths),
                     None if b is None else b.detach().clone())  # compressed-tensors layout, before Marlin
             counters(layer.weight_packed.device)  # allocated now, eagerly: CUDA-graph capture comes later
-        if threshold is not None and _is_nvfp4_a16(layer):
+        if threshold is not None and nvfp4:
             widths = list(getattr(layer, "logical_widths", None) or [layer.weight_packed.shape[0]])
             host = (_host_copy(layer.weight_packed.data), _host_copy(layer.weight_scale.data),
                     _host_copy(layer.weight_global_scale.data.float()), widths)
