@@ -1,4 +1,4 @@
-"""Pieces of `benchmarks/rl_step.py` that run without a GPU or vLLM: the completion-length draw, the
+"""Pieces of `benchmarks/rl_step.py` (and its `rl_step_plan.py`) that run without a GPU or vLLM: the completion-length draw, the
 rows and rewards of a step, the update phase on a tiny random NVFP4 model, the engine checkpoint, a whole
 step against a fake engine, the KV sizing, the result file's keys and ratios, `--merge`, and the driver
 when its child fails."""
@@ -18,6 +18,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 rs = importlib.import_module("benchmarks.rl_step")
+rp = importlib.import_module("benchmarks.rl_step_plan")
 
 TINY = {"hidden": 64, "inter": 128, "layers": 1, "heads": 2, "kv_heads": 1, "head_dim": 32, "vocab": 96}
 
@@ -26,32 +27,32 @@ def test_defaults_are_the_issues_step():
     a = rs.parse_args([])
     assert (a.arms, a.shape, a.prompts, a.group, a.prompt, a.max_completion, a.steps) == \
         (["bf16", "nvfp4", "nvfp4-aqn"], "7b", 64, 8, 256, 1024, 1)
-    assert rs.shape_of(a) == rs.SHAPE_7B
+    assert rs.shape_of(a) == rp.SHAPE_7B
     assert rs.shape_of(rs.parse_args(["--shape", "tiny", "--layers", "1"]))["layers"] == 1
     with pytest.raises(SystemExit):
         rs.parse_args(["--group", "1"])
 
 
 def test_completion_lengths_are_seeded_lognormal_and_clipped():
-    a = rs.completion_lengths(512, 1024, seed=0)
-    assert a == rs.completion_lengths(512, 1024, seed=0)
-    assert a != rs.completion_lengths(512, 1024, seed=1)
+    a = rp.completion_lengths(512, 1024, seed=0)
+    assert a == rp.completion_lengths(512, 1024, seed=0)
+    assert a != rp.completion_lengths(512, 1024, seed=1)
     assert min(a) >= 1 and max(a) <= 1024 and all(isinstance(x, int) for x in a)
-    big = np.array(rs.completion_lengths(40_000, 1024, seed=3))
+    big = np.array(rp.completion_lengths(40_000, 1024, seed=3))
     assert abs(np.median(big) - 307.2) < 6  # median 0.3 x max
     at_cap = 0.5 * math.erfc(math.log(1024 / 307.2) / 0.6 / math.sqrt(2))  # P(exp(N(log 307.2, 0.6^2)) >= 1024)
     assert abs((big == 1024).mean() - at_cap) < 0.004
     assert 330 < big.mean() < 380
     s = rs.length_stats(a, 1024)
     assert s["tokens"] == sum(a) and s["rows"] == 512 and s["max"] == max(a)
-    assert rs.completion_lengths(100, 50, seed=0, median=1000) == [50] * 100  # median past the cap
+    assert rp.completion_lengths(100, 50, seed=0, median=1000) == [50] * 100  # median past the cap
 
 
 def test_kv_cache_and_padding_arithmetic():
     per_token = 2 * 28 * 4 * 128 * 2  # K and V, 28 layers, 4 KV heads of 128, bf16
     blocks = math.ceil((256 + 10) / 16) + math.ceil((256 + 100) / 16)  # 17 + 23
     want = math.ceil(blocks * 16 * per_token * 1.1 / 2**30 * 100) / 100
-    assert rs.kv_cache_gib([10, 100], 256, rs.SHAPE_7B) == want
+    assert rp.kv_cache_gib([10, 100], 256, rp.SHAPE_7B) == want
     rows = [{"prompt_token_ids": [1] * p, "completion_token_ids": [2] * c} for p, c in ((4, 3), (5, 1), (4, 7), (5, 2))]
     cfg = rs.bench_config(rs.parse_args(["--micro-batch", "2"]))
     # by length: (4, 7) and (4, 3) [totals 11, 7] pad to 4 + 7; (5, 2) and (5, 1) [7, 6] to 5 + 2
@@ -74,7 +75,7 @@ def test_rows_and_rewards_keep_every_group():
     args = rs.parse_args(["--prompts", "3", "--group", "4", "--prompt", "6", "--max-completion", "12", "--seed", "5"])
     cfg = rs.bench_config(args)
     inp = rs.step_inputs(args, 96, 0)
-    assert inp == rs.step_inputs(args, 96, 0) and inp["lengths"] == rs.completion_lengths(12, 12, 5)
+    assert inp == rs.step_inputs(args, 96, 0) and inp["lengths"] == rp.completion_lengths(12, 12, 5)
     assert inp["lengths"] != rs.step_inputs(args, 96, 1)["lengths"]
     assert len(rs.step_inputs(args, 96, -1)["prompts"]) == 4  # the warm-up: --warmup-prompts (1) x G
     assert len(inp["prompts"]) == 12 and inp["prompts"][0] == inp["prompts"][3] != inp["prompts"][4]
@@ -187,7 +188,7 @@ def test_run_step_orders_the_phases_and_hands_each_adapter_over(tmp_path):
     assert warm["rows"] == 2 and rec["rows"] == rec["kept_rows"] == 4 and rec["sigma"] == 0.01
     assert rec["metrics"]["tokens"] == rec["completion_tokens"] == sum(inp["lengths"])
     assert rec["metrics"]["optimizer_steps"] == 1 and rec["optimizer"] == "torch.optim.adamw.AdamW"
-    assert set(rec["phases_s"]) == set(rs.PHASES)
+    assert set(rec["phases_s"]) == set(rp.PHASES)
     assert set(rec["handover_parts_s"]) == {"wake", "adapter", "noise", "sleep", "save"}
     assert rec["phases_s"]["handover"] == pytest.approx(sum(rec["handover_parts_s"].values()), abs=2e-3)
     assert rec["step_s"] == pytest.approx(sum(rec["phases_s"].values()), abs=2e-3)
@@ -199,7 +200,7 @@ def test_run_step_orders_the_phases_and_hands_each_adapter_over(tmp_path):
 
 
 def _step(step_s, phases, peak, peak_sum=50.0):
-    return {"step_s": step_s, "phases_s": dict(zip(rs.PHASES, phases)), "memory": {"peak_gib": peak, "peak_sum_gib": peak_sum}}
+    return {"step_s": step_s, "phases_s": dict(zip(rp.PHASES, phases)), "memory": {"peak_gib": peak, "peak_sum_gib": peak_sum}}
 
 
 def test_assemble_has_the_required_keys_and_ratio():
@@ -264,7 +265,7 @@ def test_settings_state_the_length_draw_and_kv():
     lengths = [rs.step_inputs(args, 8, s)["lengths"] for s in (-1, 0, 1)]  # the warm-up and both timed steps
     assert st["kv_cache_gib"] == 0.5  # the floor: the tiny shape's rows need a few MiB
     args7b = rs.parse_args(["--steps", "2"])
-    need = [rs.kv_cache_gib(rs.step_inputs(args7b, 8, s)["lengths"], 256, rs.SHAPE_7B) for s in (-1, 0, 1)]
+    need = [rp.kv_cache_gib(rs.step_inputs(args7b, 8, s)["lengths"], 256, rp.SHAPE_7B) for s in (-1, 0, 1)]
     assert rs.kv_gib_of(args7b) == max(need) > 15 and rs.kv_gib_of(rs.parse_args(["--kv-gib", "30"])) == 30
     assert st["lengths"]["steps"][1] == rs.length_stats(lengths[2], 64)
     assert st["config"]["optim"]["micro_batch_size"] == 8 and st["config"]["rollout"]["vllm_lora_dual_stream"] is True
