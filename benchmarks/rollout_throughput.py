@@ -307,10 +307,6 @@ def run_engine(args) -> None:
     from qerl_lib.rollout.vllm_engine import VLLMEngine
 
     fmt, rank, dual, pdl = parse_spec(args.child)
-    if pdl:
-        from qerl_lib.kernels.nvfp4_gemv_cuda import PDL_ENV
-
-        os.environ[PDL_ENV] = "1"  # inherited by vLLM's worker; read at each call, i.e. when its graphs capture
     work = Path(args.work)
     out_path = work / f"engine-{args.child}.json"
     loras = [int(x) for x in args.loras.split(",")] if args.loras else ([rank, 0] if rank == 16 else [rank])
@@ -335,7 +331,7 @@ def run_engine(args) -> None:
     gemv_rows = args.gemv_rows if fmt == "nvfp4g" else None
     eng = VLLMEngine(ckpt, max_lora_rank=rank, gpu_memory_utilization=args.mem, enforce_eager=False, seed=0,
                      max_model_len=args.prompt + args.decode + 16, dense_above=dense_above, lora_dual_stream=dual,
-                     gemv_rows=gemv_rows, gemv_kernel=args.gemv_kernel, engine_kwargs=kwargs)
+                     gemv_rows=gemv_rows, gemv_kernel=args.gemv_kernel, gemv_pdl=pdl, engine_kwargs=kwargs)
     result["startup_seconds"] = eng.stats.startup_seconds
     result["linear_info"] = eng.rpc("qerl_linear_info")
     result["dense_above"] = dense_above

@@ -160,8 +160,8 @@ class RolloutConfig(_Section):
     LoRA kernels; 0 keeps vLLM's path. Default 8: the measured crossover of the CUDA kernel with LoRA
     r16 against the best of Marlin + LoRA and BF16 + dual-stream LoRA (H200, 7B shape, all linears of a
     decode step: 2.50 vs 3.65 ms at 1 row, 3.13 vs 3.61 at 8, 4.91 vs 3.89 at 16;
-    `benchmarks/results/nvfp4_gemv.json`); end to end at batch 1: 263.9 tok/s against 185.3 for BF16 +
-    dual-stream LoRA (`benchmarks/results/rollout_throughput_cuda_gemv.json`). Costs a GPU copy of the
+    `benchmarks/results/nvfp4_gemv.json`); end to end at batch 1: 281.9 tok/s (with `vllm_gemv_pdl`)
+    against 185.6 for BF16 + dual-stream LoRA (`benchmarks/results/rollout_throughput_pdl.json`). Costs a GPU copy of the
     packed weights (+0.5625 bytes per quantized weight, 3.7 GB for 7B). BF16 and NF4 engines ignore it."""
     vllm_gemv_kernel: Literal["auto", "triton", "cuda"] = "auto"
     """Which decode GEMM `vllm_gemv_rows` runs: `cuda` (`qerl_lib.kernels.nvfp4_gemv_cuda`, hand-written
@@ -169,6 +169,12 @@ class RolloutConfig(_Section):
     rows, larger ones run the Triton kernel), `triton` (`qerl_lib.kernels.nvfp4_gemv`, up to 64 rows;
     slower than Marlin at every row count measured, kept as the portable reference) or `auto`: `cuda` for
     at most 16 rows when it builds, else no decode GEMM (Marlin) and a warning in the engine's log."""
+    vllm_gemv_pdl: bool = True
+    """Launch the CUDA decode GEMM as a programmatic dependent launch (PDL, `QERL_GEMV_PDL`): it streams
+    its weights while the kernel before it (the LoRA shrink, or x's producer) still runs, and lets its
+    own dependents launch early; results are the same (`tests/test_nvfp4_gemv_cuda.py`, `-m gpu`). Measured
+    end to end in one call (H200, 7B shape, r16, `benchmarks/results/rollout_throughput_pdl.json`):
+    batch 1 272.2 -> 281.9 tok/s, batch 8 1808.3 -> 1997.1. Only the `cuda` kernel reads it."""
 
 
 class RewardConfig(_Section):

@@ -1,4 +1,5 @@
-"""GPU test of the engine's default decode GEMM (`rollout.vllm_gemv_rows: 8`, `vllm_gemv_kernel: auto`):
+"""GPU test of the engine's default decode GEMM (`rollout.vllm_gemv_rows: 8`, `vllm_gemv_kernel: auto`,
+`vllm_gemv_pdl: true`):
 one engine on the small random NVFP4 Llama of test_vllm_engine_gpu.py, with the CUDA decode GEMM up to
 8 rows and the merged dense path above. Checks that `auto` built the CUDA kernel inside vLLM's worker,
 that the kernel agrees with the dequantized base, and that rows decoded through it (LoRA fused in)
@@ -32,7 +33,7 @@ def gemv_engine(small_nvfp4):
     # in benchmarks/results/rollout_throughput_cuda_gemv.json; this engine checks the switch and the numerics.
     eng = VLLMEngine(ckpt, max_lora_rank=8, gpu_memory_utilization=0.25, enforce_eager=True, seed=0,
                      max_model_len=512, dense_above=GEMV_ROWS, lora_dual_stream=True, gemv_rows=GEMV_ROWS,
-                     gemv_kernel="auto", engine_kwargs={"max_num_seqs": 16})
+                     gemv_kernel="auto", gemv_pdl=True, engine_kwargs={"max_num_seqs": 16})
     print(f"\n[vllm] gemv engine start-up {eng.stats.startup_seconds:.1f} s; linears: {eng.rpc('qerl_linear_info')}")
     yield eng
     eng.close()

@@ -291,5 +291,28 @@ def test_gemv_kernel_reaches_the_served_engine(tmp_path):
         VLLMEngine(tmp_path, gemv_kernel="marlin", llm=object())
 
 
+def test_gemv_pdl_reaches_the_served_engine(tmp_path):
+    """`rollout.vllm_gemv_pdl` (on by default) travels with the decode GEMM as `QERL_GEMV_PDL=1`, the
+    variable the CUDA kernel reads; off, or without the decode GEMM, the served engine has none."""
+    from qerl_lib.config import QerlConfig
+    from qerl_lib.kernels.nvfp4_gemv_cuda import PDL_ENV
+    from qerl_lib.rollout.serve import vllm_command
+    from qerl_lib.rollout.vllm_gemv import GEMV_PDL_ENV
+
+    assert GEMV_PDL_ENV == PDL_ENV
+    (tmp_path / "config.json").write_text('{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}')
+    cfg = QerlConfig()
+    assert cfg.rollout.vllm_gemv_pdl is True
+    _, env = vllm_command(cfg, tmp_path, "127.0.0.1", 8000)
+    assert env[GEMV_PDL_ENV] == "1"
+    cfg.rollout.vllm_gemv_pdl = False
+    _, env = vllm_command(cfg, tmp_path, "127.0.0.1", 8000)
+    assert GEMV_PDL_ENV not in env
+    cfg.rollout.vllm_gemv_pdl = True
+    cfg.rollout.vllm_gemv_rows = 0
+    _, env = vllm_command(cfg, tmp_path, "127.0.0.1", 8000)
+    assert GEMV_PDL_ENV not in env
+
+
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))

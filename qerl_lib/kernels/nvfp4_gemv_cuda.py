@@ -21,7 +21,8 @@ lora_scale * mask * x @ A_s.T in float32 as partial sums over K slices of at mos
 row and slice: 48 blocks for q|k|v, 80 for down), then each GEMV block sums the partials in a fixed
 order into shared memory and adds B_s[row] . t[m] in its epilogue (an r-element dot per output).
 
-**PDL** (config `pdl`, or env QERL_GEMV_PDL=1; off by default): the GEMV is a programmatic dependent
+**PDL** (config `pdl`, or env QERL_GEMV_PDL=1, which the vLLM engine sets unless
+`rollout.vllm_gemv_pdl` is false; off when called directly): the GEMV is a programmatic dependent
 launch of the kernel before it. With LoRA that is the shrink (launched normally, so x is complete):
 the GEMV streams weights and x while the shrink runs and waits (`griddepcontrol.wait`) only before
 its epilogue. Without LoRA it may be x's producer: each lane prefetches its first chunks into L2,

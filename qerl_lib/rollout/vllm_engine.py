@@ -77,7 +77,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from qerl_lib.rollout.sampling import Completion, SamplingParams, logit_scale  # noqa: F401  (re-exported)
-from qerl_lib.rollout.vllm_gemv import GEMV_KERNEL_ENV, GEMV_KERNELS, GEMV_ROWS_ENV
+from qerl_lib.rollout.vllm_gemv import GEMV_KERNEL_ENV, GEMV_KERNELS, GEMV_PDL_ENV, GEMV_ROWS_ENV
 from qerl_lib.rollout.vllm_worker import DENSE_ABOVE_ENV
 
 log = logging.getLogger(__name__)
@@ -214,7 +214,8 @@ class VLLMEngine:
     CUDA stream (`VLLM_LORA_ENABLE_DUAL_STREAM`). `gemv_rows`: sequences per decode step up to which
     NVFP4 linears run `qerl_lib.kernels.nvfp4_gemv` (None/0: never); `gemv_kernel`: `triton`, `cuda`
     (`qerl_lib.kernels.nvfp4_gemv_cuda` for steps of at most 16 rows) or `auto` (`cuda` when it builds
-    in the worker, else none: `qerl_lib.rollout.vllm_gemv.resolve_kernel`). `tensor_parallel_size`: GPUs the engine spans
+    in the worker, else none: `qerl_lib.rollout.vllm_gemv.resolve_kernel`); `gemv_pdl`: the CUDA kernel as a
+    programmatic dependent launch (`rollout.vllm_gemv_pdl`). `tensor_parallel_size`: GPUs the engine spans
     (vLLM's own tensor parallelism over NCCL, NVLink multicast off); every worker then holds the
     same norms, so AQN and trained norms are written by each. `quantization`: vLLM's in-flight
     quantization of a 16-bit checkpoint (`vllm_quantization`: `bitsandbytes` for NF4), or None.
@@ -235,6 +236,7 @@ class VLLMEngine:
         lora_dual_stream: bool = False,
         gemv_rows: int | None = None,
         gemv_kernel: str = "triton",
+        gemv_pdl: bool = False,
         tensor_parallel_size: int = 1,
         quantization: str | None = None,
         sleep_mode: bool = True,
@@ -251,6 +253,7 @@ class VLLMEngine:
         if gemv_kernel not in GEMV_KERNELS:
             raise ValueError(f"gemv_kernel must be one of {GEMV_KERNELS}, got {gemv_kernel!r}")
         self.gemv_kernel = gemv_kernel
+        self.gemv_pdl = bool(gemv_pdl and self.gemv_rows)
         self.merges_adapter = enable_lora and dense_above is not None
         """Whether the workers hold dense weights with the adapter merged in (re-merged on every swap)."""
         self.sleep_mode = sleep_mode
@@ -269,6 +272,10 @@ class VLLMEngine:
             else:
                 os.environ[GEMV_ROWS_ENV] = str(int(self.gemv_rows))
                 os.environ[GEMV_KERNEL_ENV] = self.gemv_kernel
+            if self.gemv_pdl:
+                os.environ[GEMV_PDL_ENV] = "1"
+            else:
+                os.environ.pop(GEMV_PDL_ENV, None)
             if dense_above is not None or self.gemv_rows is not None:
                 # The op changes the traced graph but not vLLM's config hash: keep its compiled
                 # artifacts apart from those of a plain engine of the same model.
@@ -442,7 +449,8 @@ class VLLMEngine:
         s = self.stats
         out = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in s.__dict__.items()}
         out.update(checkpoint=str(self.checkpoint), max_lora_rank=self.max_lora_rank, dense_above=self.dense_above,
-                   gemv_rows=self.gemv_rows, gemv_kernel=self.gemv_kernel, lora_dual_stream=self.lora_dual_stream,
+                   gemv_rows=self.gemv_rows, gemv_kernel=self.gemv_kernel, gemv_pdl=self.gemv_pdl,
+                   lora_dual_stream=self.lora_dual_stream,
                    adapter_id=None if self.lora_request is None else self.lora_request.lora_int_id,
                    adapter_version=self.slots.version, noise=list(self._noise))
         return out

@@ -12,10 +12,15 @@ import os
 
 import torch
 
+from qerl_lib.kernels.nvfp4_gemv_cuda import PDL_ENV
+
 GEMV_ROWS_ENV = "QERL_VLLM_GEMV_ROWS"
 """Environment variable read in the worker at load: rows up to which NVFP4 linears run the decode GEMM."""
 GEMV_KERNEL_ENV = "QERL_VLLM_GEMV_KERNEL"
 """Environment variable read in the worker at load: `auto`, `triton` (when unset) or `cuda` (rows <= 16)."""
+GEMV_PDL_ENV = PDL_ENV
+"""Environment variable read by the CUDA decode GEMM at each call (so when vLLM captures its graphs):
+"1" launches it as a programmatic dependent launch (`rollout.vllm_gemv_pdl`)."""
 GEMV_KERNELS = ("auto", "triton", "cuda")
 """The choices of `rollout.vllm_gemv_kernel`; `auto` resolves in the worker (`resolve_kernel`)."""
 
