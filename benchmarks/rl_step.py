@@ -176,13 +176,12 @@ def start_engine(ckpt: Path, quant: str, cfg, rows: int):
     rc = cfg.rollout
     kw = {"max_num_seqs": rows, "compilation_config": {"cudagraph_capture_sizes": capture_sizes(rows)},
           **vllm_memory_kwargs(rc), **({"load_format": "dummy"} if quant == "bf16" else {})}
-    gemv_rows = gemv_rows_for(cfg, quant)  # the config is shared by the arms; the arm's format decides
-    extra = ({"gemv_rows": gemv_rows, "gemv_kernel": rc.vllm_gemv_kernel, "gemv_pdl": rc.vllm_gemv_pdl}
-             if gemv_rows else {})
     return VLLMEngine(ckpt, max_lora_rank=rc.vllm_max_lora_rank, gpu_memory_utilization=rc.vllm_gpu_memory_utilization,
                       enforce_eager=rc.vllm_enforce_eager, seed=cfg.run.seed, max_model_len=rc.vllm_max_model_len,
                       dense_above=dense_above_for(cfg, ckpt), lora_dual_stream=rc.vllm_lora_dual_stream,
-                      engine_kwargs=kw, **extra)
+                      # the config is shared by the arms; the arm's format decides whether the GEMM applies
+                      gemv_rows=gemv_rows_for(cfg, quant), gemv_kernel=rc.vllm_gemv_kernel,
+                      gemv_pdl=rc.vllm_gemv_pdl, engine_kwargs=kw)
 
 
 def generate_rows(engine, prompts: list[list[int]], seeds: list[int], lengths: list[int]) -> list:

@@ -313,8 +313,7 @@ def run_engine(args) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     deadline = float(args.deadline)
     result = {"spec": args.child, "format": fmt, "max_lora_rank": rank, "lora_dual_stream": dual, "gemv_pdl": pdl,
-              "cells": [],
-              "skipped": []}
+              "cells": [], "skipped": []}
 
     def save():
         out_path.write_text(json.dumps(result, indent=1))

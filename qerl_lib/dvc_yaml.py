@@ -27,8 +27,8 @@ from qerl_lib.stages.registry import STAGES, Stage
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 NOT_DEPS = frozenset({
-    "qerl_lib/cli.py", "qerl_lib/run.py", "qerl_lib/config.py", "qerl_lib/io.py", "qerl_lib/paths.py",
-    "qerl_lib/progress.py", "qerl_lib/__init__.py", "qerl_lib/__main__.py", "qerl_lib/dvc_yaml.py",
+    "qerl_lib/cli.py", "qerl_lib/run.py", "qerl_lib/config.py", "qerl_lib/config_sections.py", "qerl_lib/io.py",
+    "qerl_lib/paths.py", "qerl_lib/progress.py", "qerl_lib/__init__.py", "qerl_lib/__main__.py", "qerl_lib/dvc_yaml.py",
     "qerl_lib/stages/__init__.py", "qerl_lib/stages/registry.py", "qerl_lib/locks.py", "qerl_lib/env.py",
 })
 """Modules that are no stage's dependency (the doors, the config schema, plumbing)."""

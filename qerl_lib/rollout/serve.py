@@ -59,7 +59,7 @@ def vllm_command(cfg, checkpoint: Path, host: str, port: int) -> tuple[list[str]
     from qerl_lib.env import child_env
     from qerl_lib.policy import dense_above_for, gemv_rows_for
     from qerl_lib.rollout.vllm_engine import EXTENSION, LOGPROBS_MODE, vllm_quantization
-    from qerl_lib.rollout.vllm_gemv import GEMV_KERNEL_ENV, GEMV_PDL_ENV, GEMV_ROWS_ENV
+    from qerl_lib.rollout.vllm_gemv import gemv_env
     from qerl_lib.rollout.vllm_worker import DENSE_ABOVE_ENV
 
     rc = cfg.rollout
@@ -85,9 +85,6 @@ def vllm_command(cfg, checkpoint: Path, host: str, port: int) -> tuple[list[str]
     dense = dense_above_for(cfg, checkpoint)
     env = child_env(extra)
     env.pop(DENSE_ABOVE_ENV, None)
-    env.pop(GEMV_ROWS_ENV, None)
-    env.pop(GEMV_KERNEL_ENV, None)
-    env.pop(GEMV_PDL_ENV, None)
     env.pop("VLLM_LORA_ENABLE_DUAL_STREAM", None)
     if dense is not None:
         env[DENSE_ABOVE_ENV] = str(int(dense))
@@ -95,11 +92,11 @@ def vllm_command(cfg, checkpoint: Path, host: str, port: int) -> tuple[list[str]
     if rc.vllm_lora_dual_stream:
         env["VLLM_LORA_ENABLE_DUAL_STREAM"] = "1"
     gemv_rows = gemv_rows_for(cfg)
+    for name, value in gemv_env(gemv_rows, rc.vllm_gemv_kernel, rc.vllm_gemv_pdl).items():
+        env.pop(name, None)
+        if value is not None:
+            env[name] = value
     if gemv_rows:
-        env[GEMV_ROWS_ENV] = str(gemv_rows)
-        env[GEMV_KERNEL_ENV] = rc.vllm_gemv_kernel
-        if rc.vllm_gemv_pdl:
-            env[GEMV_PDL_ENV] = "1"
         env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
     if cfg.parallel.rollout_tensor_parallel > 1:
         env.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})

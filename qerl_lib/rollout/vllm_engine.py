@@ -77,7 +77,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from qerl_lib.rollout.sampling import Completion, SamplingParams, logit_scale  # noqa: F401  (re-exported)
-from qerl_lib.rollout.vllm_gemv import GEMV_KERNEL_ENV, GEMV_KERNELS, GEMV_PDL_ENV, GEMV_ROWS_ENV
+from qerl_lib.rollout.vllm_gemv import GEMV_KERNELS, gemv_env
 from qerl_lib.rollout.vllm_worker import DENSE_ABOVE_ENV
 
 log = logging.getLogger(__name__)
@@ -266,16 +266,11 @@ class VLLMEngine:
                 os.environ.pop(DENSE_ABOVE_ENV, None)
             else:
                 os.environ[DENSE_ABOVE_ENV] = str(int(dense_above))
-            if self.gemv_rows is None:
-                os.environ.pop(GEMV_ROWS_ENV, None)
-                os.environ.pop(GEMV_KERNEL_ENV, None)
-            else:
-                os.environ[GEMV_ROWS_ENV] = str(int(self.gemv_rows))
-                os.environ[GEMV_KERNEL_ENV] = self.gemv_kernel
-            if self.gemv_pdl:
-                os.environ[GEMV_PDL_ENV] = "1"
-            else:
-                os.environ.pop(GEMV_PDL_ENV, None)
+            for name, value in gemv_env(self.gemv_rows, self.gemv_kernel, self.gemv_pdl).items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
             if dense_above is not None or self.gemv_rows is not None:
                 # The op changes the traced graph but not vLLM's config hash: keep its compiled
                 # artifacts apart from those of a plain engine of the same model.

@@ -25,6 +25,14 @@ GEMV_KERNELS = ("auto", "triton", "cuda")
 """The choices of `rollout.vllm_gemv_kernel`; `auto` resolves in the worker (`resolve_kernel`)."""
 
 
+def gemv_env(rows: int | None, kernel: str, pdl: bool) -> dict[str, str | None]:
+    """The worker environment of these decode-GEMM settings: variable -> value, None = must be unset.
+    Rows None/0: the decode GEMM is off, and so are its kernel choice and PDL."""
+    on = bool(rows)
+    return {GEMV_ROWS_ENV: str(int(rows)) if on else None, GEMV_KERNEL_ENV: kernel if on else None,
+            GEMV_PDL_ENV: "1" if on and pdl else None}
+
+
 def gemv_rows_from_env() -> int | None:
     """`QERL_VLLM_GEMV_ROWS` as an int (rows up to which NVFP4 linears run `nvfp4_gemv`), None if unset/off/0."""
     raw = os.environ.get(GEMV_ROWS_ENV, "").strip().lower()
