@@ -19,7 +19,8 @@ The CUDA C++ kernel (`qerl_lib.kernels.nvfp4_gemv_cuda`, rows 1..16, built on fi
 left out, with the reason under "errors", when the extension does not build): `cuda` (`plan`'s
 configuration), `cuda_best` (the fastest of `CUDA_SWEEP`), `cuda_lora` (LoRA shrink kernel, then the
 GEMV with the expand in its epilogue) and `cuda_lora_pdl` (the same, the GEMV a programmatic dependent
-launch overlapping the shrink); `cuda_pdl`: every GEMV a programmatic dependent launch of the one
+launch overlapping the shrink); `cuda_repacked` / `cuda_lora_pdl_repacked`: the same on the codes in the
+kernel's repacked layout (`repack_codes`, config `repacked`: same bits, fewer decode instructions); `cuda_pdl`: every GEMV a programmatic dependent launch of the one
 before (it overlaps the previous call's tail: in an engine the kernel before a linear is another op,
 so this arm bounds what PDL could gain, it is not what the engine gets).
 
@@ -272,6 +273,10 @@ def main() -> None:
             for L in ls:
                 L["marlin"] = L
         res["base_4bit"] += "; timed instead: qerl_lib.kernels.nvfp4_triton.nvfp4_matmul (the training kernel)"
+    if cuda_rows:  # the codes in the kernel's repacked layout too (another 3.7 GB at the 7B shapes)
+        for ls in layers.values():
+            for L in ls:
+                L["p_r"] = C.repack_codes(L["p"])
     step_bytes = {g: args.layers * (n * k // 2 + n * k // 16) for g, (n, k, _) in GROUPS.items()}
     res["nvfp4_bytes_per_step"] = sum(step_bytes.values())
 
@@ -328,10 +333,15 @@ def main() -> None:
         if m in cuda_rows:
             arms["cuda"] = lambda: [C.nvfp4_gemv(x, L["p"], L["s"], gs) for L in ls]
             arms["cuda_pdl"] = lambda: [C.nvfp4_gemv(x, L["p"], L["s"], gs, config={"pdl": True}) for L in ls]
+            arms["cuda_repacked"] = lambda: [C.nvfp4_gemv(x, L["p_r"], L["s"], gs, config={"repacked": True})
+                                             for L in ls]
             arms["cuda_lora"] = lambda: [C.nvfp4_gemv(x, L["p"], L["s"], gs, None, L["a"], L["b"], 1.0, idx, 0)
                                          for L in ls]
             arms["cuda_lora_pdl"] = lambda: [C.nvfp4_gemv(x, L["p"], L["s"], gs, None, L["a"], L["b"], 1.0, idx, 0,
                                                           config={"pdl": True}) for L in ls]
+            arms["cuda_lora_pdl_repacked"] = lambda: [
+                C.nvfp4_gemv(x, L["p_r"], L["s"], gs, None, L["a"], L["b"], 1.0, idx, 0,
+                             config={"pdl": True, "repacked": True}) for L in ls]
         return arms
 
     table = []
@@ -379,17 +389,17 @@ def main() -> None:
                 row.setdefault("cuda_best_config", {})[g] = cbest[1]
             torch.cuda.empty_cache()
         row["total_ms"] = {a: round(sum(v.values()), 4) for a, v in row["ms"].items() if len(v) == len(GROUPS)}
-        for a in ("gemv", "gemv_best", "cuda", "cuda_best", "cuda_pdl", "cuda_lora", "cuda_lora_pdl", "marlin",
-                  "cublas"):
+        for a in ("gemv", "gemv_best", "cuda", "cuda_best", "cuda_pdl", "cuda_repacked", "cuda_lora", "cuda_lora_pdl",
+                  "cuda_lora_pdl_repacked", "marlin", "cublas"):
             if a in row["total_ms"]:
                 row.setdefault("share_of_weight_read_bound", {})[a] = round(
                     res["nvfp4_bytes_per_step"] / bw * 1e3 / row["total_ms"][a], 3)
         if "gemv" in row["ms"]:
             row["gemv_share_by_group"] = {g: round(step_bytes[g] / bw * 1e3 / t, 3)
                                           for g, t in row["ms"]["gemv"].items()}
-        if "cuda" in row["ms"]:
-            row["cuda_share_by_group"] = {g: round(step_bytes[g] / bw * 1e3 / t, 3)
-                                          for g, t in row["ms"]["cuda"].items()}
+        for a in ("cuda", "cuda_repacked"):
+            if a in row["ms"]:
+                row[f"{a}_share_by_group"] = {g: round(step_bytes[g] / bw * 1e3 / t, 3) for g, t in row["ms"][a].items()}
         table.append(row)
         tm = row["total_ms"]
         print(f"rows {m:3d}: " + "  ".join(f"{a} {tm[a]:.3f}" for a in tm) + " ms/step", flush=True)
@@ -426,7 +436,8 @@ def main() -> None:
         "rows_1_share_of_weight_read_bound": first.get("share_of_weight_read_bound"),
         "rows_1_total_ms": first["total_ms"],
         "weight_read_bound_ms": round(res["nvfp4_bytes_per_step"] / bw * 1e3, 4),
-        "rows_1_ms_by_group": {a: first["ms"][a] for a in ("cuda", "cuda_best", "cuda_lora", "gemv_best", "marlin")
+        "rows_1_ms_by_group": {a: first["ms"][a] for a in ("cuda", "cuda_best", "cuda_repacked", "cuda_lora",
+                                                           "cuda_lora_pdl_repacked", "gemv_best", "marlin")
                                if a in first["ms"]},
         "cuda_target_met": (first["total_ms"].get("cuda_best", float("inf"))
                             <= res["nvfp4_bytes_per_step"] / bw * 1e3 / 0.6),

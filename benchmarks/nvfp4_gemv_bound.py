@@ -2,7 +2,7 @@
 """Where the CUDA decode GEMM's time goes at 1 row: its memory side and its arithmetic side, timed apart.
 
 For each Qwen2.5-7B linear group (the shapes of `benchmarks/nvfp4_gemv.py`, 28 layers of distinct
-weights, replayed from one CUDA graph, as there), four figures in ms per decode step:
+weights, replayed from one CUDA graph, as there), in ms per decode step:
 
 - `gemv`: the kernel as the engine runs it (`plan`'s configuration).
 - `read_pattern`: a kernel that reads exactly the GEMV's bytes in the GEMV's order (a block per 16-row
@@ -14,6 +14,8 @@ weights, replayed from one CUDA graph, as there), four figures in ms per decode 
 - `gemv_l2_resident`: the GEMV on weights whose rows are all the same row (a stride-0 view of one row,
   so its few KB stay in L2): every instruction of the real call, almost no DRAM traffic: the
   arithmetic side.
+- `gemv_repacked` / `gemv_repacked_l2_resident`: the same two on the codes in the kernel's repacked
+  layout (`repack_codes`, config `repacked`), which halves the decode's integer instructions.
 
 If `gemv` sits near `gemv_l2_resident`, the kernel is bound by its instructions; near `read_pattern`,
 by its access pattern; `read_contiguous` is the bound any layout could reach. Shares of the
@@ -157,7 +159,7 @@ def main() -> None:
         config = json.loads(args.config) or None
         for g in args.groups.split(","):
             for p, s in layers[g]:
-                C.nvfp4_gemv(xs[g], p, s, gs, config=config)
+                C.nvfp4_gemv(xs[g], C.repack_codes(p) if (config or {}).get("repacked") else p, s, gs, config=config)
         torch.cuda.synchronize()
         return
 
@@ -179,11 +181,16 @@ def main() -> None:
         plan = C.plan(1, n, k, sms, C.kernel_regs(True, 1, True))
         wk = plan["WK"]
         one = [(p[:1].expand(n, k // 2), s[:1].expand(n, k // 16)) for p, s in ls]
+        ls_r = [(C.repack_codes(p), s) for p, s in ls]
+        one_r = [(p[:1].expand(n, k // 2), s[:1].expand(n, k // 16)) for p, s in ls_r]
         arms = {
             "gemv": lambda: [C.nvfp4_gemv(x, p, s, gs) for p, s in ls],
             "read_pattern": lambda: [ext.pattern(p, s.view(torch.uint8), wk, sink) for p, s in ls],
             "read_contiguous": lambda: [ext.contiguous(p, s.view(torch.uint8), sms * 8, sink) for p, s in ls],
             "gemv_l2_resident": lambda: [C.nvfp4_gemv(x, p, s, gs) for p, s in one],
+            "gemv_repacked": lambda: [C.nvfp4_gemv(x, p, s, gs, config={"repacked": True}) for p, s in ls_r],
+            "gemv_repacked_l2_resident": lambda: [C.nvfp4_gemv(x, p, s, gs, config={"repacked": True})
+                                                  for p, s in one_r],
         }
         nbytes = args.layers * (n * k // 2 + n * k // 16)
         step_bytes += nbytes

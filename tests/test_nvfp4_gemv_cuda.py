@@ -107,15 +107,53 @@ def test_build_flags_target_the_arch():
     assert not any("fast_math" in f for f in cuda)  # the epilogue's division and subnormal scales stay exact
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CPU run of the kernel's per-lane code)")
-def test_host_emulation_of_the_kernel(tmp_path: Path):
-    exe = tmp_path / "qg_host_test"
+@pytest.fixture(scope="module")
+def host_test_exe(tmp_path_factory) -> Path:
+    """csrc/nvfp4_gemv_host_test.cu built with nvcc for the CPU (skips without nvcc)."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc (CPU run of the kernel's per-lane code)")
+    exe = tmp_path_factory.mktemp("host") / "qg_host_test"
     build = subprocess.run(["nvcc", "-std=c++17", "-O1", "-o", str(exe), str(C.CSRC / "nvfp4_gemv_host_test.cu")],
                            capture_output=True, text=True, timeout=600)
     assert build.returncode == 0, build.stderr[-3000:]
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    return exe
+
+
+def test_host_emulation_of_the_kernel(host_test_exe: Path):
+    """Every case twice: codes as compressed-tensors writes them, and repacked."""
+    run = subprocess.run([str(host_test_exe)], capture_output=True, text=True, timeout=600)
     last = run.stdout.strip().splitlines()[-1]
     assert run.returncode == 0 and re.fullmatch(r"\d+ passed, 0 failed", last), run.stdout[-3000:]
+    assert run.stdout.count(" repacked ") == run.stdout.count(" ct ") > 30
+
+
+def test_repack_codes_is_the_kernels_layout(host_test_exe: Path, tmp_path: Path):
+    """`repack_codes` writes what the kernel's `repack_word` defines, and the repacked decode of every word
+    gives the bits of the compressed-tensors decode: every byte value in every position of a word, plus
+    random words, through the host build (`--check-repack`)."""
+    gen = torch.Generator().manual_seed(5)
+    every = torch.arange(256, dtype=torch.uint8)
+    rows = [torch.stack([every if i == pos else torch.randint(0, 256, (256,), generator=gen, dtype=torch.uint8)
+                         for i in range(4)], 1).reshape(-1) for pos in range(4)]
+    packed = torch.cat(rows + [torch.randint(0, 256, (4096,), generator=gen, dtype=torch.uint8)]).reshape(-1, 64)
+    repacked = C.repack_codes(packed, rows_per_step=7)
+    assert repacked.shape == packed.shape and repacked.dtype == torch.uint8
+    words = torch.stack([packed.reshape(-1).view(torch.int32), repacked.reshape(-1).view(torch.int32)], 1)
+    path = tmp_path / "pairs.bin"
+    path.write_bytes(words.numpy().astype("<i4").tobytes())
+    run = subprocess.run([str(host_test_exe), "--check-repack", str(path)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip().splitlines()[-1] == f"{words.shape[0]} passed, 0 failed", \
+        run.stdout[-2000:]
+    # a bijection: distinct words stay distinct, and zero codes stay zero (the kernel's K tail reads zeros)
+    assert torch.unique(words[:, 1]).numel() == torch.unique(words[:, 0]).numel()
+    assert int(C.repack_codes(torch.zeros(2, 8, dtype=torch.uint8)).abs().sum()) == 0
+
+
+def test_repack_codes_refuses_other_layouts():
+    with pytest.raises(ValueError, match=r"uint8 \[N, K/2\]"):
+        C.repack_codes(torch.zeros(4, 6, dtype=torch.uint8))  # K/2 not a multiple of 4
+    with pytest.raises(ValueError, match="repack_codes"):
+        C.repack_codes(torch.zeros(4, 8, dtype=torch.int32))
 
 
 # ---------------------------------------------------------------------------------------
@@ -236,6 +274,36 @@ def test_gpu_configs_agree():
         _, _, y2 = run_case(6, 3584, 3584, "codes", (16, [3584]), False, True, torch.Generator().manual_seed(1),
                             config=cfg)
         assert torch.equal(y, y2), cfg
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("m", [1, 5, 8, 11, 16])
+def test_gpu_repacked_equals_compressed_tensors(m):
+    """The kernel on `repack_codes(packed)` with config repacked=True decodes the same bits as on `packed`
+    and runs the same MMAs in the same order: equal outputs bit for bit, at every WK (tail chunks, a
+    partial last chunk), misaligned code rows, fp16, with and without LoRA."""
+    gen = torch.Generator().manual_seed(100 + m)
+    for n, k, wk, dtype in ((4608, 3584, 4, torch.bfloat16), (3584, 18944, 8, torch.bfloat16),
+                            (520, 2128, 2, torch.bfloat16), (64, 16 * 37, 3, torch.float16), (48, 256, 1, torch.float16)):
+        p, s, gs = (t.cuda() for t in make_weight(n, k, "codes", gen))
+        r = C.repack_codes(p)
+        x = torch.randn(m, k, generator=gen).to("cuda", dtype)
+        a = (torch.randn(16, k, generator=gen) * 0.05).to("cuda", dtype)
+        b = (torch.randn(n, 16, generator=gen) * 0.05).to("cuda", dtype)
+        for lora in ((), (a, b, 0.5)):
+            y = C.nvfp4_gemv(x, p, s, gs, None, *lora, config={"WR": 1, "WK": wk})
+            y_r = C.nvfp4_gemv(x, r, s, gs, None, *lora, config={"WR": 1, "WK": wk, "repacked": True})
+            assert torch.equal(y, y_r), (m, n, k, wk, bool(lora))
+    # code rows 8-byte but not 16-byte aligned (the kernel's unaligned loads), and the plan's own config
+    p, s, gs = (t.cuda() for t in make_weight(64, 1024, "random", gen))
+    wide = torch.zeros(64, 512 + 8, dtype=torch.uint8, device="cuda")
+    wide[:, :512] = p
+    wide_r = wide.clone()
+    wide_r[:, :512] = C.repack_codes(p)
+    x = torch.randn(m, 1024, generator=gen).to("cuda", torch.bfloat16)
+    y = C.nvfp4_gemv(x, wide[:, :512], s, gs)
+    assert torch.equal(y, C.nvfp4_gemv(x, wide_r[:, :512], s, gs, config={"repacked": True}))
 
 
 @gpu

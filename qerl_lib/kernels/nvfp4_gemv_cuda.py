@@ -16,6 +16,13 @@ weights per lane), whatever M up to 8. A block is WR row tiles x WK warps splitt
 float32 accumulators are summed through shared memory in a fixed order (deterministic, no atomics,
 no counters), and the epilogue applies 128 / global_scale, bias and LoRA.
 
+**Repacked layout** (`repack_codes`, config `repacked`): at one row the kernel is bound by the SM's
+integer pipe (docs/gpu.md, session 13), where the compressed-tensors decode spends four instructions
+per pair of weights (PRMT, two LOP3, LEA). `repack_codes` stores each word's magnitudes and signs
+apart, so that a pair takes two shifts (on the FMA pipe) and two LOP3; same bits, same MMAs, same
+results. Built and checked on the CPU (host emulation); not yet timed on the GPU, and not used by the
+vLLM engine.
+
 **LoRA.** Two launches, both graph-capturable: `lora_shrink_kernel` computes t [M, slices * r] =
 lora_scale * mask * x @ A_s.T in float32 as partial sums over K slices of at most 4096 (one block per A
 row and slice: 48 blocks for q|k|v, 80 for down), then each GEMV block sums the partials in a fixed
@@ -147,12 +154,34 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[idx]
 
 
-def kernel_regs(bf16: bool, mt: int, aligned: bool) -> int:
+def kernel_regs(bf16: bool, mt: int, aligned: bool, repacked: bool = False) -> int:
     """Registers per thread of a compiled GEMV variant (the occupancy input of `plan`)."""
-    key = (bf16, mt, aligned)
+    key = (bf16, mt, aligned, repacked)
     if key not in _REGS:
-        _REGS[key] = int(load_extension().kernel_regs(bf16, mt, aligned))
+        _REGS[key] = int(load_extension().kernel_regs(bf16, mt, aligned, repacked))
     return _REGS[key]
+
+
+def repack_codes(packed: torch.Tensor, rows_per_step: int = 4096) -> torch.Tensor:
+    """The codes of `packed` uint8 [N, K/2] (compressed-tensors: byte p of each 4-byte word holds codes
+    2p (low nibble) and 2p + 1) in the repacked layout the kernel decodes with fewer integer
+    instructions (`nvfp4_gemv(..., config={"repacked": True})`; csrc/nvfp4_gemv.cuh `repack_word`):
+    per word, magnitudes of the even codes at bits 3p..3p+2, their signs at 12 + p, magnitudes of the
+    odd codes at 16 + 3p.., their signs at 28 + p. Same shape, dtype and device; a bijection, done on
+    the tensor's device `rows_per_step` rows at a time (int64 temporaries: 16 bytes per code byte)."""
+    if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] % 4:
+        raise ValueError(f"repack_codes: packed must be uint8 [N, K/2] with K/2 a multiple of 4 (K % 8 == 0), got "
+                         f"{packed.dtype} {tuple(packed.shape)}")
+    out = torch.empty_like(packed, memory_format=torch.contiguous_format)
+    p = torch.arange(4, device=packed.device, dtype=torch.int64)
+    for r0 in range(0, packed.shape[0], rows_per_step):
+        b = packed[r0:r0 + rows_per_step].reshape(-1, packed.shape[1] // 4, 4).to(torch.int64)
+        lo, hi = b & 15, b >> 4
+        word = (((lo & 7) << (3 * p)) | ((lo >> 3) << (12 + p)) | ((hi & 7) << (16 + 3 * p))
+                | ((hi >> 3) << (28 + p))).sum(-1)  # the fields are disjoint: sum == or
+        parts = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8)
+        out[r0:r0 + rows_per_step] = parts.reshape(-1, packed.shape[1])
+    return out
 
 
 def plan(m: int, n: int, k: int, num_sms: int = 132, regs: int = 112) -> dict:
@@ -230,7 +259,9 @@ def nvfp4_gemv(
     - bias: [N] (float32, bf16 or fp16; other dtypes are cast to float32) or None, added in float32;
     - lora_a: [r, K] or up to 3 slices; lora_b: [N, r] or one [n_i, r] per slice, sum(n_i) = N; x.dtype;
     - lora_index: integer [>= M]: row m gets the LoRA term only if lora_index[m] == lora_slot.
-    `config` overrides `plan`: WR (row tiles per block), WK (warps splitting K), pdl (bool).
+    `config` overrides `plan`: WR (row tiles per block), WK (warps splitting K), pdl (bool); and
+    `repacked` (bool, default false) says that `packed` holds `repack_codes(packed)` (same results bit for
+    bit, fewer decode instructions; not yet timed on the GPU: docs/kernels.md).
     """
     args = check_args("nvfp4_gemv_cuda", x, packed, scale, global_scale, bias, lora_a, lora_b, lora_index,
                       max_rows=MAX_ROWS, max_slices=MAX_SLICES, max_rank=MAX_RANK)
@@ -267,8 +298,10 @@ def nvfp4_gemv(
 
     with torch.cuda.device(x.device):
         ext = load_extension()
+        repacked = bool((config or {}).get("repacked", False))
         if config is None or "WK" not in config:
-            cfg = plan(m, n, k, _num_sms(x.device), kernel_regs(x.dtype == torch.bfloat16, 1 if m <= 8 else 2, aligned))
+            cfg = plan(m, n, k, _num_sms(x.device),
+                       kernel_regs(x.dtype == torch.bfloat16, 1 if m <= 8 else 2, aligned, repacked))
         else:
             cfg = {}
         cfg.update(config or {})
@@ -277,7 +310,7 @@ def nvfp4_gemv(
             raise ValueError(f"config WR={wr} x WK={wk} must be 1..{MAX_WARPS} warps")
         pdl = bool(cfg.get("pdl", os.environ.get(PDL_ENV, "") not in ("", "0")))
         y = ext.gemv(x2, packed, scale, gs, bias, a_list, b_list, float(lora_scale), idx, int(lora_slot),
-                     wr, wk, aligned, pdl)
+                     wr, wk, aligned, pdl, repacked)
     return y.reshape(*lead, n)
 
 

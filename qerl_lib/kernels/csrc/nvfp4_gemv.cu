@@ -56,7 +56,7 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const uint32_t (&a)[4], 
 }
 
 // One chunk: 8 MMA steps over the lane's 32 k of rows g, g+8 (and x rows g, g+8 when MT == 2).
-template <bool BF16, int MT>
+template <bool BF16, int MT, bool REPACKED>
 __device__ __forceinline__ void chunk_mma(float (&acc)[MT][4], const RowChunk& r0, const RowChunk& r1,
                                           const uint4 (&x0)[4], const uint4 (&x1)[4]) {
   uint32_t s0[2], s1[2];
@@ -65,7 +65,7 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[MT][4], const RowChunk& r
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     uint32_t a[4], b0, b1;
-    a_fragment<BF16>(r0, r1, s0, s1, j, a);
+    a_fragment<BF16, REPACKED>(r0, r1, s0, s1, j, a);
     b_fragment(x0, j, b0, b1);
     mma16816<BF16>(acc[0], a, b0, b1);
     if constexpr (MT == 2) {
@@ -90,7 +90,7 @@ __device__ __forceinline__ void load_x(uint4 (&x0)[4], uint4 (&x1)[4], const Lan
   }
 }
 
-template <bool BF16, int MT, bool ALIGNED, bool FULL, int U>
+template <bool BF16, int MT, bool ALIGNED, bool REPACKED, bool FULL, int U>
 __device__ __forceinline__ void iteration(float (&acc)[MT][4], const Lane& l, int cb, int step, int nc, int nfull,
                                           int groups, int K) {
   RowChunk ra[U], rb[U];
@@ -114,11 +114,11 @@ __device__ __forceinline__ void iteration(float (&acc)[MT][4], const Lane& l, in
     if (u + 1 < U && (FULL || c + step < nc)) {  // x of the next chunk while this one computes
       load_x<MT == 2, FULL>(xa[(u + 1) & 1], xb[(u + 1) & 1], l, c + step, nfull, K);
     }
-    chunk_mma<BF16, MT>(acc, ra[u], rb[u], xa[u & 1], xb[u & 1]);
+    chunk_mma<BF16, MT, REPACKED>(acc, ra[u], rb[u], xa[u & 1], xb[u & 1]);
   }
 }
 
-template <bool BF16, int MT, bool ALIGNED>
+template <bool BF16, int MT, bool ALIGNED, bool REPACKED>
 __global__ void __launch_bounds__(32 * kMaxWarps) gemv_kernel(const Params p) {
   using T = std::conditional_t<BF16, __nv_bfloat16, __half>;
   extern __shared__ float red[];  // [warp][MT][4 registers][32 lanes], then LoRA t [M][t_stride]
@@ -143,8 +143,11 @@ __global__ void __launch_bounds__(32 * kMaxWarps) gemv_kernel(const Params p) {
     griddep_wait();
   }
   for (int cb = l.wk; cb < nc; cb += p.wk * U) {
-    if (cb + (U - 1) * p.wk < nfull) iteration<BF16, MT, ALIGNED, true, U>(acc, l, cb, p.wk, nc, nfull, groups, p.K);
-    else iteration<BF16, MT, ALIGNED, false, U>(acc, l, cb, p.wk, nc, nfull, groups, p.K);
+    if (cb + (U - 1) * p.wk < nfull) {
+      iteration<BF16, MT, ALIGNED, REPACKED, true, U>(acc, l, cb, p.wk, nc, nfull, groups, p.K);
+    } else {
+      iteration<BF16, MT, ALIGNED, REPACKED, false, U>(acc, l, cb, p.wk, nc, nfull, groups, p.K);
+    }
   }
 
 #pragma unroll
@@ -267,13 +270,13 @@ static int launch(K kernel, const P& p, dim3 grid, dim3 block, size_t smem, bool
   return err == cudaSuccess ? static_cast<int>(cudaGetLastError()) : static_cast<int>(err);
 }
 
-template <bool BF16, int MT, bool ALIGNED>
+template <bool BF16, int MT, bool ALIGNED, bool REPACKED>
 static int launch_t(const Params& p, bool pdl, void* stream) {
   const int warps = p.wr * p.wk;
   const int tiles = (p.N + 15) / 16;
   const dim3 grid((tiles + p.wr - 1) / p.wr), block(32 * warps);
   const size_t smem = sizeof(float) * (warps * MT * 4 * 32 + (p.t != nullptr ? p.M * p.t_stride : 0));
-  return launch(gemv_kernel<BF16, MT, ALIGNED>, p, grid, block, smem, pdl, stream);
+  return launch(gemv_kernel<BF16, MT, ALIGNED, REPACKED>, p, grid, block, smem, pdl, stream);
 }
 
 int launch_gemv(const Params& p, bool bf16, bool aligned, bool pdl, void* stream) {
@@ -282,8 +285,9 @@ int launch_gemv(const Params& p, bool bf16, bool aligned, bool pdl, void* stream
     return static_cast<int>(cudaErrorInvalidValue);
   }
   const bool two = p.M > 8;
-#define QG_CASE(B, MT_, A) \
-  if (bf16 == B && (MT_ == 2) == two && aligned == A) return launch_t<B, MT_, A>(p, pdl, stream);
+#define QG_CASE(B, MT_, A)                                                                                   \
+  if (bf16 == B && (MT_ == 2) == two && aligned == A)                                                        \
+    return p.repacked ? launch_t<B, MT_, A, true>(p, pdl, stream) : launch_t<B, MT_, A, false>(p, pdl, stream);
   QG_CASE(true, 1, true) QG_CASE(true, 1, false) QG_CASE(true, 2, true) QG_CASE(true, 2, false)
   QG_CASE(false, 1, true) QG_CASE(false, 1, false) QG_CASE(false, 2, true) QG_CASE(false, 2, false)
 #undef QG_CASE
@@ -304,11 +308,13 @@ int launch_lora_shrink(const ShrinkParams& p, bool bf16, int slices, void* strea
                  : launch(lora_shrink_kernel<false, 8>, p, grid, block, 0, false, stream);
 }
 
-int gemv_kernel_regs(bool bf16, int mt, bool aligned) {
+int gemv_kernel_regs(bool bf16, int mt, bool aligned, bool repacked) {
   cudaFuncAttributes a;
   cudaError_t err = cudaErrorInvalidValue;
-#define QG_CASE(B, MT_, A) \
-  if (bf16 == B && mt == MT_ && aligned == A) err = cudaFuncGetAttributes(&a, gemv_kernel<B, MT_, A>);
+#define QG_CASE(B, MT_, A)                                                                                   \
+  if (bf16 == B && mt == MT_ && aligned == A)                                                                \
+    err = repacked ? cudaFuncGetAttributes(&a, gemv_kernel<B, MT_, A, true>)                                 \
+                   : cudaFuncGetAttributes(&a, gemv_kernel<B, MT_, A, false>);
   QG_CASE(true, 1, true) QG_CASE(true, 1, false) QG_CASE(true, 2, true) QG_CASE(true, 2, false)
   QG_CASE(false, 1, true) QG_CASE(false, 1, false) QG_CASE(false, 2, true) QG_CASE(false, 2, false)
 #undef QG_CASE

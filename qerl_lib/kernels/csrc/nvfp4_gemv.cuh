@@ -245,16 +245,57 @@ QG_HD void scale_pair(uint32_t s2, uint32_t& lo, uint32_t& hi) {
   hi = b | (b << 16);
 }
 
-// A fragment of step j (0..7): {row g k-slots 2t,2t+1; row g+8 same; row g slots 2t+8,2t+9; row g+8 same}.
+// ------------------------------------------------------------------------------ the repacked layout
+// The compressed-tensors word (bytes p = 0..3, byte p = two codes: low nibble n_2p, high n_2p+1) costs
+// the decode a PRMT and three more integer instructions per pair, all on the SM's integer pipe, which
+// runs at half the issue rate and bounds the kernel at one row (docs/gpu.md, session 13). The repacked
+// word holds the same 8 codes with magnitude and sign apart, placed so that one shift each brings a
+// pair's two magnitudes and two signs to their 16-bit float positions:
+//   bits 3p .. 3p+2: magnitude (e m m) of n_2p     bit 12 + p: its sign
+//   bits 16+3p .. 16+3p+2: magnitude of n_2p+1     bit 28 + p: its sign
+// Shifts by a constant go to the FMA pipe (IMAD.SHL / IMAD.HI), so a pair costs two integer
+// instructions (two LOP3) instead of four. qerl_lib.kernels.nvfp4_gemv_cuda.repack_codes writes it.
+QG_HD uint32_t repack_word(uint32_t q) {
+  uint32_t r = 0;
+  for (int p = 0; p < 4; ++p) {
+    const uint32_t lo = (q >> (8 * p)) & 15u, hi = (q >> (8 * p + 4)) & 15u;
+    r |= (lo & 7u) << (3 * p) | (lo >> 3) << (12 + p) | (hi & 7u) << (16 + 3 * p) | (hi >> 3) << (28 + p);
+  }
+  return r;
+}
+
+// decode_pair's bits for pair p (0..3) of a repacked word: magnitudes to bf16 bits 8..6 (fp16 11..9),
+// signs to bit 15 of each half.
 template <bool BF16>
+QG_HD uint32_t decode_pair_repacked(uint32_t r, int p) {
+  const int up = (BF16 ? 6 : 9) - 3 * p;  // bf16: 6, 3, 0, -3; fp16: 9, 6, 3, 0
+#ifdef __CUDA_ARCH__
+  const uint32_t mag = up >= 0 ? r << up : __umulhi(r, 1u << (32 + up));  // IMAD.HI: a right shift on the FMA pipe
+#else
+  const uint32_t mag = up >= 0 ? r << up : r >> -up;
+#endif
+  const uint32_t sign = r << (3 - p);
+  return (mag & (BF16 ? 0x01C001C0u : 0x0E000E00u)) | (sign & 0x80008000u);
+}
+
+// A fragment of step j (0..7): {row g k-slots 2t,2t+1; row g+8 same; row g slots 2t+8,2t+9; row g+8 same}.
+// REPACKED: the words are in the repacked layout.
+template <bool BF16, bool REPACKED = false>
 QG_HD void a_fragment(const RowChunk& r0, const RowChunk& r1, const uint32_t (&s0)[2], const uint32_t (&s1)[2],
                       int j, uint32_t (&a)[4]) {
   const int w = j >> 1, b = (j & 1) * 2, grp = j >> 2;
   const uint32_t q0 = r0.q[w], q1 = r1.q[w];
-  a[0] = mul_pair<BF16>(decode_pair<BF16>(q0, q0 << 4, b), s0[grp]);
-  a[1] = mul_pair<BF16>(decode_pair<BF16>(q1, q1 << 4, b), s1[grp]);
-  a[2] = mul_pair<BF16>(decode_pair<BF16>(q0, q0 << 4, b + 1), s0[grp]);
-  a[3] = mul_pair<BF16>(decode_pair<BF16>(q1, q1 << 4, b + 1), s1[grp]);
+  if constexpr (REPACKED) {
+    a[0] = mul_pair<BF16>(decode_pair_repacked<BF16>(q0, b), s0[grp]);
+    a[1] = mul_pair<BF16>(decode_pair_repacked<BF16>(q1, b), s1[grp]);
+    a[2] = mul_pair<BF16>(decode_pair_repacked<BF16>(q0, b + 1), s0[grp]);
+    a[3] = mul_pair<BF16>(decode_pair_repacked<BF16>(q1, b + 1), s1[grp]);
+  } else {
+    a[0] = mul_pair<BF16>(decode_pair<BF16>(q0, q0 << 4, b), s0[grp]);
+    a[1] = mul_pair<BF16>(decode_pair<BF16>(q1, q1 << 4, b), s1[grp]);
+    a[2] = mul_pair<BF16>(decode_pair<BF16>(q0, q0 << 4, b + 1), s0[grp]);
+    a[3] = mul_pair<BF16>(decode_pair<BF16>(q1, q1 << 4, b + 1), s1[grp]);
+  }
 }
 
 // B fragment of step j: x at k 4j, 4j+1 and 4j+2, 4j+3 of the lane's 32 (v[i] holds k 8i .. 8i+7).

@@ -29,6 +29,7 @@ struct Params {
   int M, N, K, gs_stride, bias_kind, rank, t_stride, ks, off1, off2;  // slice 1 starts at row off1, 2 at off2
   int wr, wk;              // row tiles (16 rows) per block, warps splitting K per row tile
   int wait_x;              // launched as a PDL secondary of the kernel that wrote x: wait before reading x
+  int repacked;            // codes in the repacked layout (nvfp4_gemv.cuh repack_word), not compressed-tensors'
 };
 
 // t [ks, M, S * rank]: partial sums of lora_scale * mask[m] * x @ A_s.T over K slices of `kslice` k (a
@@ -48,7 +49,7 @@ struct ShrinkParams {
 // Host launchers (nvfp4_gemv.cu); return a cudaError_t as int (0: launched).
 int launch_gemv(const Params& p, bool bf16, bool aligned, bool pdl, void* stream);
 int launch_lora_shrink(const ShrinkParams& p, bool bf16, int slices, void* stream);
-// Registers per thread of the GEMV kernel of (bf16, mt, aligned) (cudaFuncGetAttributes), or -1.
-int gemv_kernel_regs(bool bf16, int mt, bool aligned);
+// Registers per thread of the GEMV kernel of (bf16, mt, aligned, repacked) (cudaFuncGetAttributes), or -1.
+int gemv_kernel_regs(bool bf16, int mt, bool aligned, bool repacked);
 
 }  // namespace qg

@@ -1,6 +1,7 @@
 // CPU check of the NVFP4 decode GEMM's per-lane code (nvfp4_gemv.cuh), no GPU needed:
 //   nvcc -std=c++17 -O1 -o /tmp/qg_host_test qerl_lib/kernels/csrc/nvfp4_gemv_host_test.cu && /tmp/qg_host_test
-// (tests/test_nvfp4_gemv_cuda.py builds and runs it). It replays the kernel's loop (lane_setup, the
+// (tests/test_nvfp4_gemv_cuda.py builds and runs it). Every case runs twice: codes in compressed-tensors'
+// layout, then the same codes repacked (repack_word). It replays the kernel's loop (lane_setup, the
 // FULL / tail iterations of U chunks, load_row_chunk, load_x_chunk, scale_pair, a_fragment,
 // b_fragment), runs the MMA m16n8k16 from the PTX ISA's fragment layout, reduces the warps with
 // c_slot in the kernel's order and applies `epilogue`; then compares with x @ W.T (+ bias + LoRA) in
@@ -9,6 +10,8 @@
 // "N passed, M failed".
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <string>
 #include <random>
 #include <vector>
 
@@ -68,7 +71,7 @@ void mma_emul(float (&acc)[32][4], const uint32_t (&a)[32][4], const uint32_t (&
 
 // The kernel's main loop for one warp, lane by lane (chunks c < nfull take the unchecked loads, as in
 // the kernel's FULL iterations and its whole chunks of the others) (the MMA gathers all 32 lanes' fragments).
-template <bool ALIGNED>
+template <bool ALIGNED, bool REPACKED>
 void warp_emul(const Params& p, int block, int warp, int mt_count, bool bf16, float (&acc)[2][32][4]) {
   Lane l[32];
   for (int lane = 0; lane < 32; ++lane) l[lane] = lane_setup(p, block, warp, lane, mt_count);
@@ -106,8 +109,8 @@ void warp_emul(const Params& p, int block, int warp, int mt_count, bool bf16, fl
       for (int j = 0; j < 8; ++j) {
         uint32_t a[32][4], b0[32][2], b1[32][2];
         for (int lane = 0; lane < 32; ++lane) {
-          if (bf16) a_fragment<true>(r0[lane], r1[lane], s0[lane], s1[lane], j, a[lane]);
-          else a_fragment<false>(r0[lane], r1[lane], s0[lane], s1[lane], j, a[lane]);
+          if (bf16) a_fragment<true, REPACKED>(r0[lane], r1[lane], s0[lane], s1[lane], j, a[lane]);
+          else a_fragment<false, REPACKED>(r0[lane], r1[lane], s0[lane], s1[lane], j, a[lane]);
           b_fragment(x0[lane], j, b0[lane][0], b0[lane][1]);
           b_fragment(x1[lane], j, b1[lane][0], b1[lane][1]);
         }
@@ -120,7 +123,7 @@ void warp_emul(const Params& p, int block, int warp, int mt_count, bool bf16, fl
 
 uint16_t to_bits(float f, bool bf16) { return float_to_bits(f, bf16); }
 
-bool run_case(const Case& cs, std::mt19937& rng, int& checked) {
+bool run_case(const Case& cs, std::mt19937& rng, int& checked, bool repacked) {
   const int M = cs.M, N = cs.N, K = cs.K;
   const bool bf16 = cs.bf16;
   std::uniform_int_distribution<int> byte(0, 255);
@@ -212,7 +215,18 @@ bool run_case(const Case& cs, std::mt19937& rng, int& checked) {
     }
   }
 
+  if (repacked) {  // each row's 4-byte words (the kernel reads whole words at 4-byte offsets of a row)
+    for (int r = 0; r < N; ++r)
+      for (int w = 0; w < K / 8; ++w) {
+        uint8_t* c = codes.data() + r * cstride + 4 * w;
+        uint32_t q;
+        std::memcpy(&q, c, 4);
+        q = repack_word(q);
+        std::memcpy(c, &q, 4);
+      }
+  }
   Params p = {};
+  p.repacked = repacked ? 1 : 0;
   p.codes = codes.data();
   p.scales = scales.data();
   p.gs = gs.data();
@@ -246,8 +260,13 @@ bool run_case(const Case& cs, std::mt19937& rng, int& checked) {
     std::vector<float> red(warps * mt * 4 * 32);
     for (int w = 0; w < warps; ++w) {
       float acc[2][32][4] = {};
-      if (aligned) warp_emul<true>(p, blk, w, mt, bf16, acc);
-      else warp_emul<false>(p, blk, w, mt, bf16, acc);
+      if (aligned) {
+        if (repacked) warp_emul<true, true>(p, blk, w, mt, bf16, acc);
+        else warp_emul<true, false>(p, blk, w, mt, bf16, acc);
+      } else {
+        if (repacked) warp_emul<false, true>(p, blk, w, mt, bf16, acc);
+        else warp_emul<false, false>(p, blk, w, mt, bf16, acc);
+      }
       for (int q = 0; q < mt; ++q)
         for (int i = 0; i < 4; ++i)
           for (int lane = 0; lane < 32; ++lane) red[((w * mt + q) * 4 + i) * 32 + lane] = acc[q][lane][i];
@@ -274,14 +293,41 @@ bool run_case(const Case& cs, std::mt19937& rng, int& checked) {
       }
     }
   }
-  std::printf("%-28s M=%2d N=%4d K=%4d %s wr=%d wk=%2d lora=%d/%d bias=%d: %s (max err/tol %.3f)\n", cs.name, M, N, K,
-              bf16 ? "bf16" : "fp16", cs.wr, cs.wk, S, R, cs.bias_kind, bad ? "FAIL" : "ok", worst);
+  std::printf("%-28s %s M=%2d N=%4d K=%4d %s wr=%d wk=%2d lora=%d/%d bias=%d: %s (max err/tol %.3f)\n", cs.name,
+              repacked ? "repacked" : "ct      ", M, N, K, bf16 ? "bf16" : "fp16", cs.wr, cs.wk, S, R, cs.bias_kind,
+              bad ? "FAIL" : "ok", worst);
   return bad == 0;
 }
 
 }  // namespace
 
-int main() {
+// `--check-repack FILE`: FILE holds little-endian uint32 pairs (word, its repacked form) written by
+// qerl_lib.kernels.nvfp4_gemv_cuda.repack_codes; every pair must match repack_word, and the repacked
+// decode of every pair must equal the compressed-tensors decode. Last line "N passed, M failed".
+int check_repack(const char* path) {
+  FILE* f = std::fopen(path, "rb");
+  if (!f) {
+    std::printf("cannot open %s\n0 passed, 1 failed\n", path);
+    return 1;
+  }
+  uint32_t pair[2];
+  long n = 0, bad = 0;
+  while (std::fread(pair, 4, 2, f) == 2) {
+    ++n;
+    bool ok = repack_word(pair[0]) == pair[1];
+    for (int i = 0; i < 4; ++i) {
+      ok = ok && decode_pair_repacked<true>(pair[1], i) == decode_pair<true>(pair[0], pair[0] << 4, i);
+      ok = ok && decode_pair_repacked<false>(pair[1], i) == decode_pair<false>(pair[0], pair[0] << 4, i);
+    }
+    if (!ok && bad++ < 3) std::printf("  word %08x: repacked %08x, repack_word %08x\n", pair[0], pair[1], repack_word(pair[0]));
+  }
+  std::fclose(f);
+  std::printf("%ld words checked\n%ld passed, %ld failed\n", n, n - bad, bad);
+  return bad || n == 0 ? 1 : 0;
+}
+
+int main(int argc, char** argv) {
+  if (argc == 3 && std::string(argv[1]) == "--check-repack") return check_repack(argv[2]);
   std::mt19937 rng(1234);
   std::vector<Case> cases;
   for (int m = 1; m <= 16; ++m) cases.push_back({"rows", m, 40, 512, true, 1, 2, 0, 0, 1, false, false, false, 0});
@@ -305,7 +351,8 @@ int main() {
   cases.push_back({"fp16_subnormal", 3, 32, 256, false, 1, 2, 0, 0, 0, true, false, false, 3});
   cases.push_back({"fp16_misaligned_tail", 10, 40, 336, false, 1, 3, 1, 4, 2, false, true, true, 0});
   int passed = 0, failed = 0, checked = 0;
-  for (const auto& c : cases) (run_case(c, rng, checked) ? passed : failed)++;
+  for (bool repacked : {false, true})  // the codes as compressed-tensors writes them, then repacked
+    for (const auto& c : cases) (run_case(c, rng, checked, repacked) ? passed : failed)++;
   std::printf("%d outputs checked\n%d passed, %d failed\n", checked, passed, failed);
   return failed ? 1 : 0;
 }
