@@ -32,6 +32,8 @@ sizes = the batch sizes):
   ...-ds      suffix: vLLM's LoRA kernels on a second CUDA stream (VLLM_LORA_ENABLE_DUAL_STREAM)
   ...-pdl     suffix (nvfp4g with `--gemv-kernel cuda`): the CUDA decode GEMM as a programmatic dependent
               launch (QERL_GEMV_PDL=1, `qerl_lib.kernels.nvfp4_gemv_cuda`)
+  ...-rp      suffix, last (nvfp4g with `--gemv-kernel cuda`, `--gemv-rows` <= 16): the decode GEMM on its
+              repacked codes (QERL_VLLM_GEMV_REPACK=1, `nvfp4_gemv_cuda.repack_codes`)
 "No LoRA" is measured on the rank-16 engines with requests that carry no adapter (vLLM
 captures separate CUDA graphs for batches without LoRA).
 
@@ -267,15 +269,18 @@ def run_child(cmd: list[str], timeout: float) -> int | str:
 # ----------------------------------------------------------------------------- one engine (child process)
 
 
-def parse_spec(spec: str) -> tuple[str, int, bool, bool]:
-    """`FMT-rR[-ds][-pdl]` -> (format, max LoRA rank, LoRA kernels on a second CUDA stream, PDL decode GEMM)."""
+def parse_spec(spec: str) -> tuple[str, int, bool, bool, bool]:
+    """`FMT-rR[-ds][-pdl][-rp]` -> (format, max LoRA rank, LoRA kernels on a second CUDA stream, PDL decode
+    GEMM, the decode GEMM on repacked codes)."""
+    repack = spec.endswith("-rp")
+    spec = spec.removesuffix("-rp")
     pdl = spec.endswith("-pdl")
     spec = spec.removesuffix("-pdl")
     dual = spec.endswith("-ds")
     fmt, rank = spec.removesuffix("-ds").split("-r")
     assert fmt in ("bf16", "nvfp4", "nvfp4h", "nvfp4g", "nf4"), spec
-    assert not pdl or fmt == "nvfp4g", f"-pdl applies to nvfp4g engines only: {spec}"
-    return fmt, int(rank), dual, pdl
+    assert not (pdl or repack) or fmt == "nvfp4g", f"-pdl and -rp apply to nvfp4g engines only: {spec}"
+    return fmt, int(rank), dual, pdl, repack
 
 
 GUESS_TOK_S = {1: 150, 8: 1150, 64: 7500, 256: 13000}
@@ -303,16 +308,21 @@ def cell_deadline(now: float, deadline: float, engines_after: int, startup_s: fl
 def run_engine(args) -> None:
     import torch
 
+    from qerl_lib.rollout.vllm_gemv import GEMV_REPACK_ENV
+
     from qerl_lib.rollout.sampling import SamplingParams
     from qerl_lib.rollout.vllm_engine import VLLMEngine
 
-    fmt, rank, dual, pdl = parse_spec(args.child)
+    fmt, rank, dual, pdl, repack = parse_spec(args.child)
+    if repack:  # read by the worker at load (vllm_gemv.GEMV_REPACK_ENV); the engine's processes inherit it
+        os.environ[GEMV_REPACK_ENV] = "1"
     work = Path(args.work)
     out_path = work / f"engine-{args.child}.json"
     loras = [int(x) for x in args.loras.split(",")] if args.loras else ([rank, 0] if rank == 16 else [rank])
     batches = [int(b) for b in args.batches.split(",")]
     deadline = float(args.deadline)
     result = {"spec": args.child, "format": fmt, "max_lora_rank": rank, "lora_dual_stream": dual, "gemv_pdl": pdl,
+              "gemv_repacked": repack,
               "cells": [], "skipped": []}
 
     def save():

@@ -31,11 +31,14 @@ def test_random_bf16_checkpoint_loads_as_a_qwen2_model(tmp_path):
 
 
 def test_engine_specs_and_bytes_per_step():
-    assert rt.parse_spec("nf4-r16") == ("nf4", 16, False, False)
-    assert rt.parse_spec("nvfp4h-r64-ds") == ("nvfp4h", 64, True, False)
-    assert rt.parse_spec("nvfp4g-r16-ds-pdl") == ("nvfp4g", 16, True, True)
+    assert rt.parse_spec("nf4-r16") == ("nf4", 16, False, False, False)
+    assert rt.parse_spec("nvfp4h-r64-ds") == ("nvfp4h", 64, True, False, False)
+    assert rt.parse_spec("nvfp4g-r16-ds-pdl") == ("nvfp4g", 16, True, True, False)
+    assert rt.parse_spec("nvfp4g-r16-pdl-rp") == ("nvfp4g", 16, False, True, True)
     with pytest.raises(AssertionError, match="nvfp4g engines only"):
         rt.parse_spec("bf16-r16-pdl")
+    with pytest.raises(AssertionError, match="nvfp4g engines only"):
+        rt.parse_spec("nvfp4h-r16-rp")
     n = rt.linear_params()
     lm_head = 2 * rt.SHAPE["vocab"] * rt.SHAPE["hidden"]
     assert rt.weight_bytes_per_step("bf16", 1, 0, None) == 2 * n + lm_head

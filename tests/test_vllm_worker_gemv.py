@@ -52,7 +52,9 @@ SCRIPT = textwrap.dedent('''
     from qerl_lib.kernels import nvfp4_gemv_cuda
 
     mode = sys.argv[1]
-    if mode == "builds":
+    if mode == "builds-repack":
+        os.environ["QERL_VLLM_GEMV_REPACK"] = "1"
+    if mode.startswith("builds"):
         nvfp4_gemv_cuda.load_extension = lambda: object()
     else:
         def broken():
@@ -63,9 +65,9 @@ SCRIPT = textwrap.dedent('''
 
     gemv_calls = []
 
-    def fake_gemv_function(rows, kernel):
+    def fake_gemv_function(rows, kernel, repacked=False):
         def gemv(x, packed, scale, gs, bias=None, *lora):
-            gemv_calls.append((kernel, rows, tuple(packed.shape), gs.tolist()))
+            gemv_calls.append((kernel, rows, tuple(packed.shape), gs.tolist(), repacked))
             return x.new_ones((x.shape[0], packed.shape[0]))
         return gemv
 
@@ -95,7 +97,12 @@ SCRIPT = textwrap.dedent('''
         sys.exit(0)
     out = {"calls": calls[:], "hybrid": getattr(layer, "qerl_hybrid_index", None) is not None,
            "gemv_rows": W._STATE["gemv_rows"], "gemv_kernel": W._STATE["gemv_kernel"],
-           "fallback": W._STATE["gemv_resolved"][2]}
+           "fallback": W._STATE["gemv_resolved"][2], "repacked": W._STATE["gemv_repacked"]}
+    if getattr(layer, "qerl_gemv", None) is not None:  # the GEMV's codes: the layer's, or them repacked
+        codes = layer.qerl_gemv[0]
+        out["codes_equal"] = bool(torch.equal(codes, layer.weight_packed.data))
+        out["codes_unrepack_equal"] = bool(torch.equal(nvfp4_gemv_cuda.unrepack_codes(codes), layer.weight_packed.data))
+        out["codes_repack_equal"] = bool(torch.equal(codes, nvfp4_gemv_cuda.repack_codes(layer.weight_packed.data)))
     for rows in (1, 8, 9):
         method.apply(layer, torch.zeros(rows, k, dtype=torch.bfloat16))
     out["applied"] = calls[len(out["calls"]):]
@@ -119,6 +126,40 @@ def test_auto_serves_small_steps_when_the_extension_builds():
     assert [c[:3] for c in out["gemv_calls"]] == [["cuda", 1, [48, 32]], ["cuda", 8, [48, 32]]]
     assert out["gemv_calls"][0][3] == [2.0] * 32 + [3.0] * 16
     assert out["applied"] == [["marlin", 9]]
+
+
+def test_repack_switch_gives_the_cuda_kernel_repacked_codes():
+    """QERL_VLLM_GEMV_REPACK=1 (rollout_throughput's `-rp` engines): the decode GEMM's copy of the codes is
+    `repack_codes` of the layer's, the calls say so; without it the copy is the layer's codes as they are."""
+    plain, rp = _run("builds"), _run("builds-repack")
+    assert not plain["repacked"] and plain["codes_equal"] and not plain["codes_repack_equal"]
+    assert rp["repacked"] and rp["codes_repack_equal"] and rp["codes_unrepack_equal"] and not rp["codes_equal"]
+    assert [c[4] for c in plain["gemv_calls"]] == [False, False] and [c[4] for c in rp["gemv_calls"]] == [True, True]
+    assert rp["applied"] == [["marlin", 9]]
+
+
+def test_gemv_function_reads_repacked_codes_with_the_cuda_kernel_only():
+    from functools import partial
+
+    from qerl_lib.kernels import nvfp4_gemv as T
+    from qerl_lib.rollout.vllm_gemv import gemv_function
+
+    f = gemv_function(8, "cuda", repacked=True)
+    assert isinstance(f, partial) and f.func is C.nvfp4_gemv and f.keywords == {"config": {"repacked": True}}
+    assert gemv_function(8, "cuda") is C.nvfp4_gemv and gemv_function(32, "cuda") is T.nvfp4_gemv
+    with pytest.raises(ValueError, match="CUDA kernel only"):
+        gemv_function(32, "cuda", repacked=True)
+    with pytest.raises(ValueError, match="CUDA kernel only"):
+        gemv_function(4, "triton", repacked=True)
+
+
+def test_unrepack_inverts_repack():
+    gen = torch.Generator().manual_seed(3)
+    packed = torch.randint(0, 256, (37, 40), dtype=torch.uint8, generator=gen)
+    r = C.repack_codes(packed, rows_per_step=5)
+    assert not torch.equal(r, packed) and torch.equal(C.unrepack_codes(r, rows_per_step=9), packed)
+    with pytest.raises(ValueError, match="unrepack_codes"):
+        C.unrepack_codes(torch.zeros(3, 6, dtype=torch.uint8))
 
 
 def test_auto_keeps_marlin_and_says_why_when_the_build_fails():

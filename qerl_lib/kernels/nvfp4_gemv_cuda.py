@@ -20,8 +20,8 @@ no counters), and the epilogue applies 128 / global_scale, bias and LoRA.
 integer pipe (docs/gpu.md, session 13), where the compressed-tensors decode spends four instructions
 per pair of weights (PRMT, two LOP3, LEA). `repack_codes` stores each word's magnitudes and signs
 apart, so that a pair takes two shifts (on the FMA pipe) and two LOP3; same bits, same MMAs, same
-results. Built and checked on the CPU (host emulation); not yet timed on the GPU, and not used by the
-vLLM engine.
+results. Built and checked on the CPU (host emulation); not yet timed on the GPU; the vLLM worker uses
+it only under QERL_VLLM_GEMV_REPACK=1 (`qerl_lib.rollout.vllm_gemv`).
 
 **LoRA.** Two launches, both graph-capturable: `lora_shrink_kernel` computes t [M, slices * r] =
 lora_scale * mask * x @ A_s.T in float32 as partial sums over K slices of at most 4096 (one block per A
@@ -181,6 +181,23 @@ def repack_codes(packed: torch.Tensor, rows_per_step: int = 4096) -> torch.Tenso
                 | ((hi >> 3) << (28 + p))).sum(-1)  # the fields are disjoint: sum == or
         parts = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8)
         out[r0:r0 + rows_per_step] = parts.reshape(-1, packed.shape[1])
+    return out
+
+
+def unrepack_codes(repacked: torch.Tensor, rows_per_step: int = 4096) -> torch.Tensor:
+    """The inverse of `repack_codes`: codes in compressed-tensors' layout again (same shape and device)."""
+    if repacked.dtype != torch.uint8 or repacked.dim() != 2 or repacked.shape[1] % 4:
+        raise ValueError(f"unrepack_codes: expected uint8 [N, K/2] with K/2 a multiple of 4, got "
+                         f"{repacked.dtype} {tuple(repacked.shape)}")
+    out = torch.empty_like(repacked, memory_format=torch.contiguous_format)
+    p = torch.arange(4, device=repacked.device, dtype=torch.int64)
+    shifts = 8 * torch.arange(4, device=repacked.device, dtype=torch.int64)
+    for r0 in range(0, repacked.shape[0], rows_per_step):
+        b = repacked[r0:r0 + rows_per_step].reshape(-1, repacked.shape[1] // 4, 4).to(torch.int64)
+        word = (b << shifts).sum(-1, keepdim=True)  # [rows, K/8, 1], bytes little-endian
+        lo = ((word >> (3 * p)) & 7) | (((word >> (12 + p)) & 1) << 3)
+        hi = ((word >> (16 + 3 * p)) & 7) | (((word >> (28 + p)) & 1) << 3)
+        out[r0:r0 + rows_per_step] = (lo | (hi << 4)).to(torch.uint8).reshape(-1, repacked.shape[1])
     return out
 
 

@@ -8,6 +8,7 @@ buffers (`_gemv_lora`). Torch only; imported by the worker, the engine and `vllm
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -21,6 +22,10 @@ GEMV_KERNEL_ENV = "QERL_VLLM_GEMV_KERNEL"
 GEMV_PDL_ENV = PDL_ENV
 """Environment variable read by the CUDA decode GEMM at each call (so when vLLM captures its graphs):
 "1" launches it as a programmatic dependent launch (`rollout.vllm_gemv_pdl`)."""
+GEMV_REPACK_ENV = "QERL_VLLM_GEMV_REPACK"
+"""Environment variable read in the worker at load: "1" stores the decode GEMM's copy of the codes in the CUDA
+kernel's repacked layout (`nvfp4_gemv_cuda.repack_codes`: fewer decode instructions, same results). Only with
+the CUDA kernel at <= 16 rows; a benchmark switch (`rollout_throughput.py`'s `-rp` engines) until timed."""
 GEMV_KERNELS = ("auto", "triton", "cuda")
 """The choices of `rollout.vllm_gemv_kernel`; `auto` resolves in the worker (`resolve_kernel`)."""
 
@@ -75,14 +80,23 @@ def resolve_kernel(kernel: str, rows: int) -> tuple[str | None, int, str | None]
     return "cuda", rows if kernel == "cuda" else min(rows, nvfp4_gemv_cuda.MAX_ROWS), None
 
 
-def gemv_function(rows: int, kernel: str):
+def gemv_repack_from_env() -> bool:
+    """`QERL_VLLM_GEMV_REPACK` is "1"."""
+    return os.environ.get(GEMV_REPACK_ENV, "").strip() == "1"
+
+
+def gemv_function(rows: int, kernel: str, repacked: bool = False):
     """The decode GEMM for a step of `rows` rows: the CUDA kernel when `kernel` is `cuda` and it serves
-    that many rows, else the Triton one (same signature and semantics)."""
+    that many rows, else the Triton one (same signature and semantics). `repacked`: the codes are in the
+    CUDA kernel's repacked layout, which only it reads."""
     if kernel == "cuda":
         from qerl_lib.kernels import nvfp4_gemv_cuda
 
         if rows <= nvfp4_gemv_cuda.MAX_ROWS:
-            return nvfp4_gemv_cuda.nvfp4_gemv
+            return functools.partial(nvfp4_gemv_cuda.nvfp4_gemv, config={"repacked": True}) if repacked \
+                else nvfp4_gemv_cuda.nvfp4_gemv
+    if repacked:
+        raise ValueError(f"repacked codes are read by the CUDA kernel only (rows <= 16), not by {kernel} at {rows} rows")
     from qerl_lib.kernels.nvfp4_gemv import nvfp4_gemv
 
     return nvfp4_gemv

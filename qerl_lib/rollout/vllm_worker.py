@@ -58,7 +58,8 @@ import torch
 
 from qerl_lib.aqn import NoiseInjector, norm_key
 from qerl_lib.rollout.vllm_gemv import (GEMV_KERNEL_ENV, _gemv_lora, gemv_function, gemv_kernel_from_env,
-                                        gemv_rows_from_env, max_lora_rank, partition_scales, resolve_kernel)
+                                        gemv_repack_from_env, gemv_rows_from_env, max_lora_rank, partition_scales,
+                                        resolve_kernel)
 
 logger = logging.getLogger(__name__)
 
@@ -210,11 +211,12 @@ def adapter_deltas(adapter_dir: str | Path) -> tuple[dict[str, torch.Tensor], fl
 # ============================================================================ NVFP4 regimes (patches)
 
 _STATE: dict[str, Any] = {"installed": False, "layers": [], "lora": {}, "threshold": None, "orig_apply": None,
-                          "adapter": None, "gemv_rows": 0, "gemv_kernel": "triton"}
+                          "adapter": None, "gemv_rows": 0, "gemv_kernel": "triton", "gemv_repacked": False}
 """Worker-process state: hybrid layers (method, layer) by index, LoRA wrappers by the same index,
 the row threshold (dense above it), vLLM's original `CompressedTensorsLinearMethod.apply`, the merged
 adapter, the rows up to which the decode GEMM runs (0: never) and which one; `gemv_resolved`: what
-`resolve_kernel` gave for `QERL_VLLM_GEMV_KERNEL` (kernel, rows, why `auto` turned it off), once set."""
+`resolve_kernel` gave for `QERL_VLLM_GEMV_KERNEL` (kernel, rows, why `auto` turned it off), once set;
+`gemv_repacked`: the decode GEMM's codes are in the CUDA kernel's repacked layout (`QERL_VLLM_GEMV_REPACK`)."""
 
 
 class _Reentry:
@@ -273,7 +275,8 @@ def install_patches() -> bool:
         rows = x.numel() // x.shape[-1]
         if rows <= _STATE["gemv_rows"] and x.dtype in (torch.bfloat16, torch.float16):
             packed, scale, gs, bias = layer.qerl_gemv
-            return gemv_function(rows, _STATE["gemv_kernel"])(x, packed, scale, gs, bias if with_bias else None)
+            return gemv_function(rows, _STATE["gemv_kernel"], _STATE["gemv_repacked"])(
+                x, packed, scale, gs, bias if with_bias else None)
         if rows <= _STATE["threshold"]:
             return orig_apply(method, layer, x, layer.bias if with_bias else None)
         return F.linear(x, layer.qerl_dense_weight, layer.qerl_dense_bias if with_bias else None)
@@ -294,8 +297,8 @@ def install_patches() -> bool:
         if lora is not None:  # base + LoRA in one launch; rows whose token carries no adapter get none
             packed, scale, gs, bias = base.qerl_gemv
             a, b, slots = lora
-            return gemv_function(rows, _STATE["gemv_kernel"])(x, packed, scale, gs, bias if with_bias else None,
-                                                              a, b, 1.0, slots, 0)
+            return gemv_function(rows, _STATE["gemv_kernel"], _STATE["gemv_repacked"])(
+                x, packed, scale, gs, bias if with_bias else None, a, b, 1.0, slots, 0)
         if rows <= _STATE["threshold"]:
             _Reentry.active = True
             try:  # vLLM's own LoRA layer: Marlin (through the op above) + LoRA kernels
@@ -317,14 +320,20 @@ def install_patches() -> bool:
         if gemv_rows is not None and nvfp4:
             gemv_kernel, gemv_rows = _resolved_gemv(gemv_kernel, gemv_rows)
         dense = bias = host = gemv = None
+        repack = False
         if gemv_rows is not None and nvfp4:
             from qerl_lib.kernels.nvfp4_gemv import counters
+            from qerl_lib.kernels.nvfp4_gemv_cuda import MAX_ROWS, repack_codes
+
+            # the CUDA kernel's repacked codes: only where it serves every decode-GEMM step
+            repack = gemv_kernel == "cuda" and gemv_rows <= MAX_ROWS and gemv_repack_from_env()
 
             widths = list(getattr(layer, "logical_widths", None) or [layer.weight_packed.shape[0]])
             b = getattr(layer, "bias", None)
-            gemv = (layer.weight_packed.data.clone(), layer.weight_scale.data.clone(),
+            codes = layer.weight_packed.data
+            gemv = (repack_codes(codes) if repack else codes.clone(), layer.weight_scale.data.clone(),
                     partition_scales(layer.weight_global_scale.data, widths),
-                    None if b is None else b.detach().clone())  # compressed-tensors layout, before Marlin
+                    None if b is None else b.detach().clone())  # copied before Marlin repacks the layer's own
             counters(layer.weight_packed.device)  # allocated now, eagerly: CUDA-graph capture comes later
         if threshold is not None and nvfp4:
             widths = list(getattr(layer, "logical_widths", None) or [layer.weight_packed.shape[0]])
@@ -346,6 +355,7 @@ def install_patches() -> bool:
             _STATE["threshold"] = threshold if threshold is not None else sys.maxsize  # None: never dense
             _STATE["gemv_rows"] = gemv_rows or 0
             _STATE["gemv_kernel"] = gemv_kernel or "off"
+            _STATE["gemv_repacked"] = bool(repack)
 
     def apply(self, layer, x, bias=None):
         index = getattr(layer, "qerl_hybrid_index", None)
@@ -549,6 +559,7 @@ class AQNWorkerExtension:
                 "threshold": None if threshold == sys.maxsize else threshold, "dense_bytes": dense_bytes,
                 "host_bytes": host_bytes, "gemv_rows": _STATE["gemv_rows"], "gemv_bytes": gemv_bytes,
                 "gemv_kernel": _STATE["gemv_kernel"], "gemv_fallback": _STATE.get("gemv_resolved", (None, 0, None))[2],
+                "gemv_repacked": _STATE["gemv_repacked"],
                 "merged_adapter": _STATE["adapter"],
                 "lora_dual_stream": os.environ.get("VLLM_LORA_ENABLE_DUAL_STREAM", "0") == "1"}
 
@@ -571,6 +582,10 @@ class AQNWorkerExtension:
                 from qerl_lib.nvfp4 import dequantize_nvfp4
 
                 packed, scale, gs_rows, _ = layer.qerl_gemv
+                if _STATE["gemv_repacked"]:
+                    from qerl_lib.kernels.nvfp4_gemv_cuda import unrepack_codes
+
+                    packed = unrepack_codes(packed)
                 dense = (dequantize_nvfp4(packed, scale, torch.ones(1, device=packed.device), torch.float32)
                          / gs_rows[:, None]).to(getattr(layer, "params_dtype", torch.bfloat16))
             x = torch.randn(rows, dense.shape[1], device="cuda", dtype=dense.dtype, generator=g)
@@ -578,7 +593,8 @@ class AQNWorkerExtension:
             b = torch.nn.functional.linear(x, dense).float()
             worst = max(worst, float((a - b).norm() / b.norm().clamp_min(1e-12)))
             if layer.qerl_gemv is not None:
-                c = gemv_function(rows, _STATE["gemv_kernel"])(x[: min(rows, 64)], *layer.qerl_gemv[:3]).float()
+                c = gemv_function(rows, _STATE["gemv_kernel"], _STATE["gemv_repacked"])(
+                    x[: min(rows, 64)], *layer.qerl_gemv[:3]).float()
                 ref = b[: c.shape[0]]
                 worst_gemv = max(worst_gemv, float((c - ref).norm() / ref.norm().clamp_min(1e-12)))
         return {"layers": len(_STATE["layers"]), "max_rel_diff": worst, "max_rel_diff_gemv": worst_gemv}
