@@ -177,6 +177,7 @@ def main() -> None:
     totals: dict[str, float] = {}
     step_bytes = 0
     for g, (n, k, _) in GROUPS.items():
+        assert n % 16 == 0 and k % 128 == 0, f"{g}: read_pattern covers whole 16-row tiles and 128-k chunks"
         ls, x = layers[g], xs[g]
         plan = C.plan(1, n, k, sms, C.kernel_regs(True, 1, True))
         wk = plan["WK"]
