@@ -8,7 +8,8 @@ weights, replayed from one CUDA graph, as there), in ms per decode step:
 - `read_pattern`: a kernel that reads exactly the GEMV's bytes in the GEMV's order (a block per 16-row
   tile, WK warps, lane (g, t) reads rows g and g + 8: 16 bytes of codes at 64 c + 16 t and 2 bytes of
   scales per chunk c, U chunks in flight) and only XORs them: the memory side of the GEMV, without
-  its arithmetic.
+  its arithmetic. A hand copy of csrc/nvfp4_gemv.cu's loop of rounds (U = 4): it must follow that
+  loop when the loop changes.
 - `read_contiguous`: the same bytes read in address order (16 bytes per thread, grid-stride): what
   the memory system gives a plain stream of that size.
 - `gemv_l2_resident`: the GEMV on weights whose rows are all the same row (a stride-0 view of one row,
