@@ -132,7 +132,7 @@ def write_engine_checkpoint(model, shape: dict, quant: str, out: Path) -> Path:
     config.json alone (the engine loads vLLM's dummy weights)."""
     from safetensors.torch import save_file
 
-    from benchmarks.rollout_throughput import qwen7b_config
+    from benchmarks.rollout_checkpoints import qwen7b_config
 
     out.mkdir(parents=True, exist_ok=True)
     if quant == "nvfp4" and not (out / "model.safetensors").is_file():

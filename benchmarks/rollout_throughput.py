@@ -3,10 +3,10 @@
 
 Model: the Qwen2.5-7B shape (hidden 3584, intermediate 18944, 28 layers, 28 heads / 4 KV heads,
 vocab 152064, q/k/v biases, untied lm_head) with random weights (speed does not depend on
-their values). The NVFP4 checkpoint is written synthetically in compressed-tensors layout,
-packed directly on the GPU (random FP4 codes, FP8 block scales, one global scale per fused
-group), never through a 16-bit copy; embeddings and lm_head are bf16, as llm-compressor leaves
-them. The BF16 engine uses vLLM's own random initialisation (`load_format="dummy"`), so no
+their values; `benchmarks/rollout_checkpoints.py` writes them). The NVFP4 checkpoint is written
+synthetically in compressed-tensors layout, packed directly on the GPU (random FP4 codes, FP8 block
+scales, one global scale per fused group), never through a 16-bit copy; embeddings and lm_head are
+bf16, as llm-compressor leaves them. The BF16 engine uses vLLM's own random initialisation (`load_format="dummy"`), so no
 16 GB file is written at all.
 
 Rollout settings are the project's (`qerl_lib.rollout.vllm_engine.VLLMEngine.generate`): per-request
@@ -62,11 +62,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.decode_gemm_profile import GLOBAL_SCALE, SHAPE, copy_bandwidth, gemm_profile  # noqa: E402
+from benchmarks.decode_gemm_profile import SHAPE, copy_bandwidth, gemm_profile  # noqa: E402
+from benchmarks.rollout_checkpoints import (linear_shapes, write_adapter, write_bf16_weights,  # noqa: E402
+                                            write_synthetic)
 from qerl_lib.io import atomic_write_json  # noqa: E402
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-DEVICE = "cuda"
 STOCK_REFERENCE = {
     "source": "the issue: stock vLLM 0.26 on this H200, prompt 256 / decode 512 / CUDA graphs / LoRA r16",
     "bf16_lora_r16_tok_s": {"1": 157, "8": 1279, "64": 9191},
@@ -76,15 +76,6 @@ STOCK_REFERENCE = {
 
 
 # ----------------------------------------------------------------------------- byte counts
-
-
-def linear_shapes(shape: dict | None = None) -> dict[str, tuple[int, int]]:
-    """{module path inside a decoder layer: (out_features, in_features)} of the seven linears, in order."""
-    shape = shape or SHAPE
-    h, i = shape["hidden"], shape["inter"]
-    q, kv = shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
-    return {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
-            "self_attn.o_proj": (h, q), "mlp.gate_proj": (i, h), "mlp.up_proj": (i, h), "mlp.down_proj": (h, i)}
 
 
 def linear_params() -> int:
@@ -116,139 +107,6 @@ def kv_bytes_per_step(batch: int, prompt: int, decode: int) -> int:
 def spread(values: list[float]) -> dict:
     return {"median": round(statistics.median(values), 2), "min": round(min(values), 2),
             "max": round(max(values), 2), "n": len(values)}
-
-
-# ----------------------------------------------------------------------------- synthetic model
-
-
-def qwen7b_config(quantized: bool, shape: dict | None = None) -> dict:
-    """config.json of the Qwen2.5-7B shape (or `shape`), NVFP4A16 when `quantized`."""
-    from transformers import Qwen2Config
-
-    shape = shape or SHAPE
-    c = Qwen2Config(hidden_size=shape["hidden"], intermediate_size=shape["inter"], num_hidden_layers=shape["layers"],
-                    num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"], vocab_size=shape["vocab"],
-                    max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1e6,
-                    dtype="bfloat16")
-    c.architectures = ["Qwen2ForCausalLM"]
-    d = c.to_dict()
-    if quantized:
-        from qerl_lib.nvfp4_checkpoint import nvfp4a16_quantization_config
-
-        d["quantization_config"] = nvfp4a16_quantization_config()
-    return d
-
-
-def synth_packed(n: int, k: int, gen):
-    import torch
-
-    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=DEVICE, generator=gen)
-    scale = (torch.rand((n, k // 16), device=DEVICE, generator=gen) + 0.5).to(torch.float8_e4m3fn)
-    return packed, scale
-
-
-def write_synthetic(work: Path) -> dict:
-    """NVFP4 checkpoint (packed directly) and a BF16 config-only dir; returns the GPU tensors of the linears."""
-    import torch
-    from safetensors.torch import save_file
-
-    nv, bf = work / "nvfp4", work / "bf16"
-    t0 = time.perf_counter()
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    h, L, V = SHAPE["hidden"], SHAPE["layers"], SHAPE["vocab"]
-    q, kv = SHAPE["heads"] * SHAPE["head_dim"], SHAPE["kv_heads"] * SHAPE["head_dim"]
-    gs = torch.tensor([GLOBAL_SCALE], dtype=torch.float32)
-    layers = []
-    tensors = {}
-    for l in range(L):
-        pre = f"model.layers.{l}"
-        gpu = {}
-        for m, (n, k) in linear_shapes().items():
-            packed, scale = synth_packed(n, k, gen)
-            gpu[m] = (packed, scale)
-            tensors[f"{pre}.{m}.weight_packed"] = packed.cpu()
-            tensors[f"{pre}.{m}.weight_scale"] = scale.cpu()
-            tensors[f"{pre}.{m}.weight_global_scale"] = gs.clone()
-        for m, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            tensors[f"{pre}.self_attn.{m}.bias"] = (torch.randn(n, generator=None) * 0.01).to(torch.bfloat16)
-        tensors[f"{pre}.input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-        tensors[f"{pre}.post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-        layers.append(gpu)
-    tensors["model.norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-    tensors["model.embed_tokens.weight"] = (torch.randn(V, h, device=DEVICE, generator=gen) * 0.02).to(torch.bfloat16).cpu()
-    tensors["lm_head.weight"] = (torch.randn(V, h, device=DEVICE, generator=gen) * 0.02).to(torch.bfloat16).cpu()
-    nv.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(nv / "model.safetensors"), metadata={"format": "pt"})
-    (nv / "config.json").write_text(json.dumps(qwen7b_config(True), indent=1))
-    bf.mkdir(parents=True, exist_ok=True)
-    (bf / "config.json").write_text(json.dumps(qwen7b_config(False), indent=1))
-    size = (nv / "model.safetensors").stat().st_size
-    del tensors
-    return {"layers": layers, "seconds": round(time.perf_counter() - t0, 1), "nvfp4_file_bytes": size}
-
-
-def write_bf16_weights(out: Path, shape: dict | None = None, device: str | None = None) -> dict:
-    """A random BF16 checkpoint of `shape` (default the 7B one) for engines that must read real 16-bit
-    weights (vLLM's in-flight NF4). One safetensors shard per decoder layer plus the index, so the
-    host never holds more than one layer (about 0.5 GB for the 7B shape)."""
-    import torch
-    from safetensors.torch import save_file
-
-    shape = shape or SHAPE
-    device = device or DEVICE
-    t0 = time.perf_counter()
-    gen = torch.Generator(device=device).manual_seed(1)
-    h, L, V = shape["hidden"], shape["layers"], shape["vocab"]
-    q, kv = shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
-
-    def rand(*size, std=0.02):
-        return (torch.randn(*size, device=device, generator=gen) * std).to(torch.bfloat16).cpu()
-
-    out.mkdir(parents=True, exist_ok=True)
-    weight_map, total = {}, 0
-    shards = L + 1
-    for l in range(L + 1):
-        name = f"model-{l + 1:05d}-of-{shards:05d}.safetensors"
-        if l < L:
-            pre = f"model.layers.{l}"
-            t = {f"{pre}.{m}.weight": rand(n, k) for m, (n, k) in linear_shapes(shape).items()}
-            for m, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-                t[f"{pre}.self_attn.{m}.bias"] = rand(n, std=0.01)
-            t[f"{pre}.input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-            t[f"{pre}.post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-        else:
-            t = {"model.norm.weight": torch.ones(h, dtype=torch.bfloat16), "model.embed_tokens.weight": rand(V, h),
-                 "lm_head.weight": rand(V, h)}
-        save_file(t, str(out / name), metadata={"format": "pt"})
-        total += sum(x.numel() * x.element_size() for x in t.values())
-        weight_map.update({k: name for k in t})
-    (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    (out / "config.json").write_text(json.dumps(qwen7b_config(False, shape), indent=1))
-    return {"seconds": round(time.perf_counter() - t0, 1), "bytes": total}
-
-
-def write_adapter(out: Path, rank: int, seed: int) -> Path:
-    """A PEFT LoRA adapter for the 7B shape (random A and B, bf16), as `lora.save_adapter` lays it out."""
-    import torch
-    from safetensors.torch import save_file
-
-    g = torch.Generator().manual_seed(seed)
-    t = {}
-    for l in range(SHAPE["layers"]):
-        for m, (fan_out, fan_in) in linear_shapes().items():
-            key = f"base_model.model.model.layers.{l}.{m}"
-            t[f"{key}.lora_A.weight"] = (torch.randn(rank, fan_in, generator=g) / fan_in**0.5).to(torch.bfloat16)
-            t[f"{key}.lora_B.weight"] = (torch.randn(fan_out, rank, generator=g) * 0.01).to(torch.bfloat16)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(t, str(out / "adapter_model.safetensors"))
-    (out / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
-        "bias": "none", "target_modules": sorted(TARGETS), "fan_in_fan_out": False, "use_rslora": False,
-        "use_dora": False, "modules_to_save": None, "base_model_name_or_path": None, "init_lora_weights": True,
-        "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {}, "alpha_pattern": {},
-    }, indent=1))
-    return out
 
 
 def run_child(cmd: list[str], timeout: float) -> int | str:
@@ -308,14 +166,10 @@ def cell_deadline(now: float, deadline: float, engines_after: int, startup_s: fl
 def run_engine(args) -> None:
     import torch
 
-    from qerl_lib.rollout.vllm_gemv import GEMV_REPACK_ENV
-
     from qerl_lib.rollout.sampling import SamplingParams
     from qerl_lib.rollout.vllm_engine import VLLMEngine
 
     fmt, rank, dual, pdl, repack = parse_spec(args.child)
-    if repack:  # read by the worker at load (vllm_gemv.GEMV_REPACK_ENV); the engine's processes inherit it
-        os.environ[GEMV_REPACK_ENV] = "1"
     work = Path(args.work)
     out_path = work / f"engine-{args.child}.json"
     loras = [int(x) for x in args.loras.split(",")] if args.loras else ([rank, 0] if rank == 16 else [rank])
@@ -340,7 +194,8 @@ def run_engine(args) -> None:
     gemv_rows = args.gemv_rows if fmt == "nvfp4g" else None
     eng = VLLMEngine(ckpt, max_lora_rank=rank, gpu_memory_utilization=args.mem, enforce_eager=False, seed=0,
                      max_model_len=args.prompt + args.decode + 16, dense_above=dense_above, lora_dual_stream=dual,
-                     gemv_rows=gemv_rows, gemv_kernel=args.gemv_kernel, gemv_pdl=pdl, engine_kwargs=kwargs)
+                     gemv_rows=gemv_rows, gemv_kernel=args.gemv_kernel, gemv_pdl=pdl, gemv_repack=repack,
+                     engine_kwargs=kwargs)
     result["startup_seconds"] = eng.stats.startup_seconds
     result["linear_info"] = eng.rpc("qerl_linear_info")
     result["dense_above"] = dense_above

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import rollout_checkpoints as ck  # noqa: E402
 from benchmarks import rollout_throughput as rt  # noqa: E402
 
 TINY = dict(hidden=64, inter=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=256)
@@ -20,7 +21,7 @@ TINY = dict(hidden=64, inter=128, layers=2, heads=4, kv_heads=2, head_dim=16, vo
 def test_random_bf16_checkpoint_loads_as_a_qwen2_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    info = rt.write_bf16_weights(tmp_path / "w", TINY, "cpu")
+    info = ck.write_bf16_weights(tmp_path / "w", TINY, "cpu")
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "w"), dtype=torch.bfloat16)
     assert type(model).__name__ == "Qwen2ForCausalLM"
     assert sum(p.numel() * p.element_size() for p in model.parameters()) == info["bytes"]

@@ -215,7 +215,8 @@ class VLLMEngine:
     NVFP4 linears run `qerl_lib.kernels.nvfp4_gemv` (None/0: never); `gemv_kernel`: `triton`, `cuda`
     (`qerl_lib.kernels.nvfp4_gemv_cuda` for steps of at most 16 rows) or `auto` (`cuda` when it builds
     in the worker, else none: `qerl_lib.rollout.vllm_gemv.resolve_kernel`); `gemv_pdl`: the CUDA kernel as a
-    programmatic dependent launch (`rollout.vllm_gemv_pdl`). `tensor_parallel_size`: GPUs the engine spans
+    programmatic dependent launch (`rollout.vllm_gemv_pdl`); `gemv_repack`: the CUDA kernel on repacked
+    codes (`vllm_gemv.GEMV_REPACK_ENV`, a benchmark switch). `tensor_parallel_size`: GPUs the engine spans
     (vLLM's own tensor parallelism over NCCL, NVLink multicast off); every worker then holds the
     same norms, so AQN and trained norms are written by each. `quantization`: vLLM's in-flight
     quantization of a 16-bit checkpoint (`vllm_quantization`: `bitsandbytes` for NF4), or None.
@@ -237,6 +238,7 @@ class VLLMEngine:
         gemv_rows: int | None = None,
         gemv_kernel: str = "triton",
         gemv_pdl: bool = False,
+        gemv_repack: bool = False,
         tensor_parallel_size: int = 1,
         quantization: str | None = None,
         sleep_mode: bool = True,
@@ -254,6 +256,7 @@ class VLLMEngine:
             raise ValueError(f"gemv_kernel must be one of {GEMV_KERNELS}, got {gemv_kernel!r}")
         self.gemv_kernel = gemv_kernel
         self.gemv_pdl = bool(gemv_pdl and self.gemv_rows)
+        self.gemv_repack = bool(gemv_repack and self.gemv_rows)
         self.merges_adapter = enable_lora and dense_above is not None
         """Whether the workers hold dense weights with the adapter merged in (re-merged on every swap)."""
         self.sleep_mode = sleep_mode
@@ -266,7 +269,7 @@ class VLLMEngine:
                 os.environ.pop(DENSE_ABOVE_ENV, None)
             else:
                 os.environ[DENSE_ABOVE_ENV] = str(int(dense_above))
-            for name, value in gemv_env(self.gemv_rows, self.gemv_kernel, self.gemv_pdl).items():
+            for name, value in gemv_env(self.gemv_rows, self.gemv_kernel, self.gemv_pdl, self.gemv_repack).items():
                 if value is None:
                     os.environ.pop(name, None)
                 else:
@@ -445,7 +448,7 @@ class VLLMEngine:
         out = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in s.__dict__.items()}
         out.update(checkpoint=str(self.checkpoint), max_lora_rank=self.max_lora_rank, dense_above=self.dense_above,
                    gemv_rows=self.gemv_rows, gemv_kernel=self.gemv_kernel, gemv_pdl=self.gemv_pdl,
-                   lora_dual_stream=self.lora_dual_stream,
+                   gemv_repack=self.gemv_repack, lora_dual_stream=self.lora_dual_stream,
                    adapter_id=None if self.lora_request is None else self.lora_request.lora_int_id,
                    adapter_version=self.slots.version, noise=list(self._noise))
         return out

@@ -30,12 +30,12 @@ GEMV_KERNELS = ("auto", "triton", "cuda")
 """The choices of `rollout.vllm_gemv_kernel`; `auto` resolves in the worker (`resolve_kernel`)."""
 
 
-def gemv_env(rows: int | None, kernel: str, pdl: bool) -> dict[str, str | None]:
+def gemv_env(rows: int | None, kernel: str, pdl: bool, repack: bool = False) -> dict[str, str | None]:
     """The worker environment of these decode-GEMM settings: variable -> value, None = must be unset.
-    Rows None/0: the decode GEMM is off, and so are its kernel choice and PDL."""
+    Rows None/0: the decode GEMM is off, and so are its kernel choice, PDL and the repacked codes."""
     on = bool(rows)
     return {GEMV_ROWS_ENV: str(int(rows)) if on else None, GEMV_KERNEL_ENV: kernel if on else None,
-            GEMV_PDL_ENV: "1" if on and pdl else None}
+            GEMV_PDL_ENV: "1" if on and pdl else None, GEMV_REPACK_ENV: "1" if on and repack else None}
 
 
 def gemv_rows_from_env() -> int | None:
@@ -85,10 +85,11 @@ def gemv_repack_from_env() -> bool:
     return os.environ.get(GEMV_REPACK_ENV, "").strip() == "1"
 
 
+@functools.cache
 def gemv_function(rows: int, kernel: str, repacked: bool = False):
     """The decode GEMM for a step of `rows` rows: the CUDA kernel when `kernel` is `cuda` and it serves
     that many rows, else the Triton one (same signature and semantics). `repacked`: the codes are in the
-    CUDA kernel's repacked layout, which only it reads."""
+    CUDA kernel's repacked layout, which only it reads. Memoised: the worker asks at every linear call."""
     if kernel == "cuda":
         from qerl_lib.kernels import nvfp4_gemv_cuda
 
