@@ -1,0 +1,265 @@
+#!/usr/bin/env python3
+"""The CUDA decode GEMM's machine code, counted: which instructions one round of its main loop issues,
+on which of the SM's pipes, for every compiled variant. Runs on the CPU (nvcc + nvdisasm, no GPU).
+
+At one row the kernel is bound by its instructions, not its reads (benchmarks/results/
+nvfp4_gemv_bound.json, nvfp4_gemv_ncu.txt: the integer pipe at 69 % of peak). So the question "does a
+change to the decode pay?" has a first answer in the SASS, before any GPU time: how many
+instructions the steady-state round issues, and how they load the pipes.
+
+It compiles `qerl_lib/kernels/csrc/nvfp4_gemv.cu` for sm_90 with the extension's own nvcc flags
+(`nvfp4_gemv_cuda.build_flags`, plus the defines torch's cpp_extension adds), disassembles the cubin
+with nvdisasm (`pip install nvidia-cuda-nvdisasm`, part of the `dev` extra; or `--nvdisasm PATH`), and
+for each `gemv_kernel<BF16, MT, ALIGNED, REPACKED>` takes the basic block with the most HMMA: the full
+round of the loop (U = 4 chunks x 8 MMA steps, all bounds checks hoisted), which is where the time
+goes at 7B shapes (28-148 chunks per warp).
+
+Pipes of sm_90 (Hopper), each 16 lanes per SM sub-partition, so each takes one warp instruction every
+2 cycles, while the scheduler issues at most 1 per cycle:
+- `alu`: integer and logic except multiplies (LOP3, PRMT, LEA, SHF, IADD3, ISETP, SEL, ...) and
+  FP32 -> FP16/BF16 conversion (F2FP);
+- `fma_heavy`: integer multiply-add (IMAD in all its forms, which ptxas also uses for moves and
+  shifts by a constant);
+- `fma`: FP32 and packed FP16/BF16 arithmetic (FFMA, FMUL, FADD, HFMA2, HMUL2, HADD2), issued to
+  fma-heavy or fma-lite, so up to one per cycle between them;
+- `tensor` (HMMA), `lsu` (loads, stores, shuffles), `branch` and `uniform` (the U* datapath).
+
+`cycles_lower_bound` of a round = max(2 x alu, 2 x fma_heavy, fma_heavy + fma, issued): the fewest
+cycles one sub-partition needs for that round's instructions if nothing stalls. It ranks variants
+by their instruction mix; it is not a timing (latency, occupancy and memory are not in it), and a
+variant is kept only when the GPU benchmark says so (benchmarks/nvfp4_gemv.py, nvfp4_gemv_bound.py).
+
+    python benchmarks/nvfp4_gemv_sass.py --out benchmarks/results/nvfp4_gemv_sass.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from qerl_lib.io import atomic_write_json  # noqa: E402
+
+SOURCE = ROOT / "qerl_lib" / "kernels" / "csrc" / "nvfp4_gemv.cu"
+# torch.utils.cpp_extension.COMMON_NVCC_FLAGS (torch 2.x), which the extension's build adds to ours
+TORCH_NVCC_FLAGS = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
+                    "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
+                    "--expt-relaxed-constexpr"]
+
+PIPES = ("alu", "fma_heavy", "fma", "tensor", "lsu", "branch", "uniform", "other")
+_PIPE_OF = {
+    "alu": ("LOP3", "LOP", "PRMT", "LEA", "SHF", "SHL", "SHR", "IADD3", "IADD", "VIADD", "ISETP", "SEL",
+            "FSEL", "MOV", "IMNMX", "VIMNMX", "PLOP3", "BMSK", "FLO", "POPC", "BREV", "F2FP", "FSETP",
+            "FMNMX", "IABS", "SGXT", "P2R", "R2P", "CS2R", "S2R", "LOP32I", "IADD32I"),
+    "fma_heavy": ("IMAD", "IMUL", "IDP", "IMAD32I"),
+    "fma": ("FFMA", "FMUL", "FADD", "HFMA2", "HMUL2", "HADD2", "FFMA32I", "FMUL32I", "FADD32I"),
+    "tensor": ("HMMA", "IMMA", "HGMMA", "DMMA"),
+    "lsu": ("LDG", "STG", "LDS", "STS", "LDC", "LDL", "STL", "SHFL", "LDGSTS", "LDSM", "RED", "ATOM", "ATOMS",
+            "ATOMG", "REDG", "MEMBAR", "FENCE", "CCTL"),
+    "branch": ("BRA", "BSSY", "BSYNC", "EXIT", "RET", "CALL", "WARPSYNC", "BAR", "NOP", "BREAK", "YIELD", "BRX"),
+}
+PIPE_OF = {base: pipe for pipe, bases in _PIPE_OF.items() for base in bases}
+
+_LABEL = re.compile(r"^(\.L_x_\d+):")
+_FUNC = re.compile(r"^\s*\.text\.(\S+):")
+_INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:(@!?U?P[T0-9])\s+)?([A-Z][A-Z0-9_.]*)(.*)$")
+_GEMV = re.compile(r"gemv_kernelILb(\d)ELi(\d)ELb(\d)ELb(\d)E")
+
+
+@dataclass(frozen=True)
+class Instr:
+    opcode: str
+    """Full opcode with modifiers, e.g. `IMAD.SHL.U32`."""
+    predicate: str | None
+    """`@P0`, `@!P1`, ... or None when always executed."""
+    target: str | None
+    """The label a branch goes to, else None."""
+
+
+def pipe_of(opcode: str) -> str:
+    """The sm_90 pipe that executes `opcode` (module docstring); U* opcodes run on the uniform datapath."""
+    base = opcode.split(".", 1)[0]
+    if base in PIPE_OF:
+        return PIPE_OF[base]
+    if base.startswith("U") and base[1:] in PIPE_OF:
+        return "uniform"
+    return "other"
+
+
+def parse_sass(text: str) -> dict[str, list[list[Instr]]]:
+    """nvdisasm's output (`nvdisasm -c`) -> {mangled function name: its basic blocks, in address order}.
+    A block ends at a label (a branch target) or after a branch."""
+    functions: dict[str, list[list[Instr]]] = {}
+    blocks: list[list[Instr]] | None = None
+    for line in text.splitlines():
+        if m := _FUNC.match(line):
+            blocks = functions.setdefault(m.group(1), [[]])
+            continue
+        if blocks is None:
+            continue
+        if _LABEL.match(line):
+            if blocks[-1]:
+                blocks.append([])
+            continue
+        if m := _INSTR.match(line):
+            target = re.search(r"\((\.L_x_\d+)\)", m.group(4))
+            blocks[-1].append(Instr(m.group(3), m.group(2), target.group(1) if target else None))
+            if m.group(3).startswith(("BRA", "EXIT", "RET")):
+                blocks.append([])
+    return {name: [b for b in bs if b] for name, bs in functions.items()}
+
+
+def steady_round(blocks: list[list[Instr]]) -> list[Instr]:
+    """The basic block with the most tensor-core MMAs (ties: the first), i.e. the kernel's full round."""
+    if not blocks:
+        raise ValueError("no instructions")
+    return max(blocks, key=lambda b: sum(pipe_of(i.opcode) == "tensor" for i in b))
+
+
+def pipe_counts(instrs: list[Instr]) -> dict[str, int]:
+    """Instructions per pipe (every name of PIPES present, 0 when none)."""
+    counts = collections.Counter(pipe_of(i.opcode) for i in instrs)
+    return {p: counts.get(p, 0) for p in PIPES}
+
+
+def cycles_lower_bound(pipes: dict[str, int]) -> tuple[int, str]:
+    """(cycles, binding limit): the fewest cycles one SM sub-partition needs to issue these instructions,
+    from the pipes' rates (module docstring), and which limit sets it."""
+    issued = sum(pipes.values())
+    limits = {"alu": 2 * pipes["alu"], "fma_heavy": 2 * pipes["fma_heavy"],
+              "fma": pipes["fma_heavy"] + pipes["fma"], "issue": issued}
+    name = max(limits, key=lambda k: limits[k])
+    return limits[name], name
+
+
+def variant_of(name: str) -> dict | None:
+    """gemv_kernel's template arguments from its mangled name, or None for other kernels."""
+    m = _GEMV.search(name)
+    if not m:
+        return None
+    bf16, mt, aligned, repacked = m.groups()
+    return {"bf16": bf16 == "1", "mt": int(mt), "aligned": aligned == "1", "repacked": repacked == "1"}
+
+
+def analyse(functions: dict[str, list[list[Instr]]]) -> list[dict]:
+    """One row per gemv_kernel variant: its full round's instruction counts by opcode and pipe, in all and
+    per MMA step (8 weights of each of a lane's two rows decoded, then MT MMAs m16n8k16)."""
+    rows = []
+    for name, blocks in sorted(functions.items()):
+        variant = variant_of(name)
+        if variant is None:
+            continue
+        block = steady_round(blocks)
+        pipes = pipe_counts(block)
+        steps = pipes["tensor"] // variant["mt"]  # an MMA step decodes 8 weights per lane, then MT MMAs
+        cycles, limit = cycles_lower_bound(pipes)
+        rows.append({**variant, "function": name, "instructions": len(block), "mma_steps": steps, "pipes": pipes,
+                     "per_step": {"instructions": round(len(block) / steps, 2),
+                                  **{p: round(v / steps, 2) for p, v in pipes.items()},
+                                  "cycles_lower_bound": round(cycles / steps, 2)},
+                     "cycles_lower_bound": cycles, "binding": limit,
+                     "opcodes": dict(collections.Counter(i.opcode for i in block).most_common())})
+    return rows
+
+
+def compare_layouts(rows: list[dict]) -> list[dict]:
+    """Repacked vs compressed-tensors codes for each (bf16, mt, aligned): the repacked round's counts per
+    MMA step as fractions of the other's."""
+    by_key = {(r["bf16"], r["mt"], r["aligned"], r["repacked"]): r for r in rows}
+    out = []
+    for (bf16, mt, aligned, repacked), base in sorted(by_key.items()):
+        other = by_key.get((bf16, mt, aligned, True))
+        if repacked or other is None:
+            continue
+        ratio = {k: round(other["per_step"][k] / base["per_step"][k], 3)
+                 for k in ("instructions", "alu", "cycles_lower_bound")}
+        out.append({"bf16": bf16, "mt": mt, "aligned": aligned, **ratio})
+    return out
+
+
+def find_nvdisasm(explicit: str | None) -> str:
+    """--nvdisasm, else nvdisasm on PATH, else the one the `nvidia-cuda-nvdisasm` wheel installs."""
+    if explicit:
+        return explicit
+    if found := shutil.which("nvdisasm"):
+        return found
+    spec = importlib.util.find_spec("nvidia")
+    for base in (spec.submodule_search_locations or []) if spec else []:
+        for path in sorted(Path(base).glob("cu*/bin/nvdisasm")):
+            return str(path)
+    raise SystemExit("nvdisasm not found: pip install nvidia-cuda-nvdisasm (the `dev` extra has it), "
+                     "or pass --nvdisasm PATH")
+
+
+def tool_version(tool: str) -> str:
+    out = subprocess.run([tool, "--version"], capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+
+
+def compile_and_disassemble(source: Path, arch: str, nvcc: str, nvdisasm: str) -> str:
+    """nvcc -cubin for sm_`arch` with the extension's flags, then `nvdisasm -c` of it."""
+    from qerl_lib.kernels.nvfp4_gemv_cuda import build_flags
+
+    flags = [f for f in build_flags(arch)[0] if not f.startswith("-gencode")]
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "nvfp4_gemv.cubin"
+        cmd = [nvcc, *flags, *TORCH_NVCC_FLAGS, f"-arch=sm_{arch}", "-cubin", "-o", str(cubin), str(source)]
+        built = subprocess.run(cmd, capture_output=True, text=True)
+        if built.returncode != 0:
+            raise SystemExit(f"nvcc failed on {source}:\n{built.stderr[-3000:]}")
+        dis = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True)
+        if dis.returncode != 0:
+            raise SystemExit(f"nvdisasm failed on {cubin}:\n{dis.stderr[-3000:]}")
+        return dis.stdout
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/nvfp4_gemv_sass.json"))
+    ap.add_argument("--arch", default="90", help="SM architecture to compile for (the H200: 90)")
+    ap.add_argument("--nvcc", default="nvcc")
+    ap.add_argument("--nvdisasm", default=None, help="path to nvdisasm (default: PATH, then the pip wheel)")
+    ap.add_argument("--sass", default=None, help="analyse this `nvdisasm -c` output instead of compiling")
+    args = ap.parse_args()
+
+    if args.sass:
+        text, tools = Path(args.sass).read_text(), {"sass": args.sass}
+    else:
+        if shutil.which(args.nvcc) is None:
+            raise SystemExit(f"{args.nvcc} not found: this compiles csrc/nvfp4_gemv.cu (CUDA toolkit 12.8+)")
+        nvdisasm = find_nvdisasm(args.nvdisasm)
+        text = compile_and_disassemble(SOURCE, args.arch, args.nvcc, nvdisasm)
+        tools = {"nvcc": tool_version(args.nvcc), "nvdisasm": tool_version(nvdisasm)}
+    rows = analyse(parse_sass(text))
+    if not rows:
+        raise SystemExit("no gemv_kernel in the disassembly")
+    res = {"command": "python benchmarks/nvfp4_gemv_sass.py " + " ".join(sys.argv[1:]), "arch": f"sm_{args.arch}",
+           "tools": tools, "variants": rows, "repacked_over_compressed_tensors": compare_layouts(rows)}
+    print("per MMA step of the full round:")
+    print(f"{'bf16':>5} {'mt':>2} {'aligned':>7} {'repacked':>8} {'steps':>5} {'instr':>6} "
+          + " ".join(f"{p:>9}" for p in PIPES[:5]) + f" {'cycles>=':>9} binding")
+    for r in rows:
+        st = r["per_step"]
+        print(f"{r['bf16']!s:>5} {r['mt']:>2} {r['aligned']!s:>7} {r['repacked']!s:>8} {r['mma_steps']:>5} "
+              f"{st['instructions']:>6} " + " ".join(f"{st[p]:>9}" for p in PIPES[:5])
+              + f" {st['cycles_lower_bound']:>9} {r['binding']}")
+    for c in res["repacked_over_compressed_tensors"]:
+        print(f"repacked / compressed-tensors (bf16={c['bf16']}, mt={c['mt']}, aligned={c['aligned']}): "
+              f"instructions {c['instructions']}, alu {c['alu']}, cycle bound {c['cycles_lower_bound']}")
+    atomic_write_json(Path(args.out), res)
+    print(json.dumps({"out": args.out}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""benchmarks/nvfp4_gemv_sass.py: the SASS parser and pipe counts on a hand-written listing, and (where
+nvcc and nvdisasm are installed) the real kernel's instruction mix: the repacked codes' full round has
+no PRMT/LEA decode and fewer integer-pipe instructions per MMA step than the compressed-tensors one."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import nvfp4_gemv_sass as S  # noqa: E402
+
+LISTING = """
+\t.text._ZN2qg11gemv_kernelILb1ELi1ELb1ELb0EEEvNS_6ParamsE:
+        /*0000*/                   IMAD.MOV.U32 R1, RZ, RZ, c[0x0][0x28] ;
+        /*0010*/              @!P0 BRA `(.L_x_2) ;
+.L_x_1:
+        /*0020*/                   PRMT R18, R97, 0x6020, R20 ;
+        /*0030*/                   LOP3.LUT R16, R96, 0x80008000, RZ, 0xc0, !PT ;
+        /*0040*/                   LEA.HI R17, R16, R18, RZ, 0x1c ;
+        /*0050*/                   HMUL2.BF16_V2 R16, R16, R17 ;
+        /*0060*/                   HMMA.16816.F32.BF16 R80, R80, R48, R16 ;
+        /*0070*/                   ULOP3.LUT UR4, UR4, 0x1, URZ, 0xc0, !UPT ;
+        /*0080*/               @P1 BRA `(.L_x_1) ;
+.L_x_2:
+        /*0090*/                   LDG.E.128 R4, desc[UR6][R2.64] ;
+        /*00a0*/                   EXIT ;
+\t.text._ZN2qg18lora_shrink_kernelILb1ELi8EEEvNS_12ShrinkParamsE:
+        /*0000*/                   FFMA R1, R2, R3, R1 ;
+"""
+
+
+def test_parse_splits_functions_and_blocks():
+    fns = S.parse_sass(LISTING)
+    assert set(fns) == {"_ZN2qg11gemv_kernelILb1ELi1ELb1ELb0EEEvNS_6ParamsE",
+                        "_ZN2qg18lora_shrink_kernelILb1ELi8EEEvNS_12ShrinkParamsE"}
+    blocks = fns["_ZN2qg11gemv_kernelILb1ELi1ELb1ELb0EEEvNS_6ParamsE"]
+    # entry (ends at its branch), the loop body (ends at the back branch), the tail
+    assert [len(b) for b in blocks] == [2, 7, 2]
+    assert blocks[0][1] == S.Instr("BRA", "@!P0", ".L_x_2")
+    assert blocks[1][-1].target == ".L_x_1"
+    assert S.steady_round(blocks) is blocks[1]
+
+
+def test_pipes_and_cycle_bound():
+    assert [S.pipe_of(o) for o in ("LOP3.LUT", "PRMT", "LEA.HI", "IMAD.SHL.U32", "IMAD.HI.U32", "HMUL2.BF16_V2",
+                                   "HMMA.16816.F32.BF16", "LDG.E.128", "ULOP3.LUT", "BRA", "XYZ")] == \
+        ["alu", "alu", "alu", "fma_heavy", "fma_heavy", "fma", "tensor", "lsu", "uniform", "branch", "other"]
+    body = S.parse_sass(LISTING)["_ZN2qg11gemv_kernelILb1ELi1ELb1ELb0EEEvNS_6ParamsE"][1]
+    pipes = S.pipe_counts(body)
+    assert pipes == {"alu": 3, "fma_heavy": 0, "fma": 1, "tensor": 1, "lsu": 0, "branch": 1, "uniform": 1,
+                     "other": 0}
+    assert S.cycles_lower_bound(pipes) == (7, "issue")  # 7 issued beat 2 x 3 on the integer pipe
+    assert S.cycles_lower_bound({**pipes, "alu": 6}) == (12, "alu")
+    assert S.cycles_lower_bound({**dict.fromkeys(S.PIPES, 0), "fma_heavy": 3, "fma": 4}) == (7, "fma")
+
+
+def test_variants_from_mangled_names():
+    assert S.variant_of("_ZN2qg11gemv_kernelILb0ELi2ELb1ELb1EEEvNS_6ParamsE") == \
+        {"bf16": False, "mt": 2, "aligned": True, "repacked": True}
+    assert S.variant_of("_ZN2qg18lora_shrink_kernelILb1ELi8EEEvNS_12ShrinkParamsE") is None
+    rows = S.analyse(S.parse_sass(LISTING))
+    assert len(rows) == 1 and rows[0]["mma_steps"] == 1 and rows[0]["per_step"]["alu"] == 3
+    assert rows[0]["opcodes"]["PRMT"] == 1
+
+
+def test_sass_file_mode(tmp_path: Path, monkeypatch):
+    (tmp_path / "k.sass").write_text(LISTING)
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", ["nvfp4_gemv_sass.py", "--sass", str(tmp_path / "k.sass"), "--out", str(out)])
+    S.main()
+    res = json.loads(out.read_text())
+    assert res["variants"][0]["binding"] == "issue" and res["repacked_over_compressed_tensors"] == []
+
+
+def test_no_kernel_in_listing_is_an_error(tmp_path: Path, monkeypatch):
+    (tmp_path / "k.sass").write_text(LISTING.split("\t.text._ZN2qg18")[0].replace("gemv_kernel", "other"))
+    monkeypatch.setattr(sys, "argv", ["nvfp4_gemv_sass.py", "--sass", str(tmp_path / "k.sass"),
+                                      "--out", str(tmp_path / "r.json")])
+    with pytest.raises(SystemExit, match="no gemv_kernel"):
+        S.main()
+    assert not (tmp_path / "r.json").exists()
+
+
+def _nvdisasm() -> str | None:
+    try:
+        return S.find_nvdisasm(None)
+    except SystemExit:
+        return None
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None or _nvdisasm() is None, reason="needs nvcc and nvdisasm")
+def test_real_kernel_instruction_mix(tmp_path: Path, monkeypatch):
+    out = tmp_path / "sass.json"
+    monkeypatch.setattr(sys, "argv", ["nvfp4_gemv_sass.py", "--out", str(out)])
+    S.main()
+    res = json.loads(out.read_text())
+    rows = {(r["bf16"], r["mt"], r["aligned"], r["repacked"]): r for r in res["variants"]}
+    assert len(rows) == 16  # bf16/fp16 x 1/2 n-tiles x aligned or not x two code layouts
+    for (bf16, mt, aligned, repacked), r in rows.items():
+        assert r["per_step"]["tensor"] == mt  # a step: one decode, MT MMAs
+        ops = r["opcodes"]
+        if repacked:  # the decode this layout exists for: no byte permute, no shift-and-add (LEA.HI)
+            assert "PRMT" not in ops and "LEA.HI" not in ops, ops
+            other = rows[(bf16, mt, aligned, False)]
+            assert r["per_step"]["alu"] < 0.7 * other["per_step"]["alu"]
+            assert r["per_step"]["cycles_lower_bound"] < other["per_step"]["cycles_lower_bound"]
+        else:
+            # a PRMT and a LEA.HI per pair of weights, 4 pairs per step
+            assert ops.get("PRMT", 0) >= 4 * r["mma_steps"] and ops.get("LEA.HI", 0) >= 4 * r["mma_steps"], ops
+    assert len(res["repacked_over_compressed_tensors"]) == 8
