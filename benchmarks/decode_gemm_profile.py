@@ -47,7 +47,7 @@ def gemm_profile(layers: list[dict], ms: list[int]) -> dict:
         prepare_fp4_layer_for_marlin,
     )
 
-    from qerl_lib.rollout.vllm_worker import dequantize_partitions
+    from qerl_lib.rollout.vllm_weights import dequantize_partitions
 
     groups = {"qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "o": ["self_attn.o_proj"],
               "gate_up": ["mlp.gate_proj", "mlp.up_proj"], "down": ["mlp.down_proj"]}

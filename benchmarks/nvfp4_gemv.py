@@ -213,7 +213,7 @@ def main() -> None:
     import triton
 
     from qerl_lib.kernels.nvfp4_gemv import nvfp4_gemv, plan
-    from qerl_lib.rollout.vllm_worker import dequantize_partitions
+    from qerl_lib.rollout.vllm_weights import dequantize_partitions
 
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/nvfp4_gemv.py needs a CUDA GPU")

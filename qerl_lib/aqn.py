@@ -207,7 +207,7 @@ def write_noise(targets: list[tuple[str, nn.Module]], clean: dict[str, torch.Ten
     `targets`, in place.
 
     The one arithmetic of AQN, shared by the trainer (`NoiseInjector`) and the vLLM workers
-    (`qerl_lib.rollout.vllm_worker.NormNoise`) so both hold the same bits: float32 sum, one cast to the
+    (`qerl_lib.rollout.vllm_weights.NormNoise`) so both hold the same bits: float32 sum, one cast to the
     weight's dtype, `copy_` into the existing storage (never a rebind: CUDA graphs keep pointers).
     sigma 0 writes the clean weights back exactly. `mode`: `AQNConfig.sigma_mode`.
     """

@@ -313,7 +313,7 @@ def _interpreter_checks() -> dict[str, dict]:
     from types import SimpleNamespace
 
     from qerl_lib.rollout.vllm_gemv import _gemv_lora, partition_scales
-    from qerl_lib.rollout.vllm_worker import dequantize_partitions
+    from qerl_lib.rollout.vllm_weights import dequantize_partitions
 
     widths, kk, r = [64, 16, 16], 128, 16
     parts = [make_weight(wd, kk, "random", gen) for wd in widths]

@@ -29,7 +29,7 @@ from qerl_lib.rollout.vllm_engine import (
     to_completion,
     vllm_sampling_kwargs,
 )
-from qerl_lib.rollout.vllm_worker import NormNoise, adapter_deltas, dequantize_partitions, merge_partitions
+from qerl_lib.rollout.vllm_weights import NormNoise, adapter_deltas, dequantize_partitions, merge_partitions
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 
