@@ -115,6 +115,20 @@ def _steps_done(run: Path) -> int:
     return max(map(int, ups)) + 1 if ups else 0
 
 
+LATE_KEYS = ("correct_rate", "kept_frac", "zero_variance_groups", "clip_frac", "completion_len_mean", "truncated_frac")
+"""Training-step columns averaged over the second half of a run (`late`): what the recipe spends its samples on."""
+
+
+def late_means(run: Path, planned: int) -> dict:
+    """Means of LATE_KEYS over the steps of the run's second half (step >= planned // 2) that have them."""
+    rows = [r for r in _csv(run / "steps.csv") if isinstance(r.get("step"), int) and r["step"] >= planned // 2]
+    out = {"from_step": planned // 2}
+    for key in LATE_KEYS:
+        vals = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+        out[key] = round(statistics.fmean(vals), 4) if vals else None
+    return out
+
+
 def summarize(out: Path) -> dict:
     rows, base, incomplete = [], [], []
     for run in sorted(out.glob("runs/*/seed*")):
@@ -142,7 +156,8 @@ def summarize(out: Path) -> dict:
         rows.append({"arm": arm, "seed": seed, "steps": steps, "greedy_acc": m["greedy_acc"],
                      "greedy_se": m["greedy_acc_se"], "pass1": m["pass_at_1"], "pass1_se": m["pass_at_1_se"],
                      "k": m["k"], "n_test": m["n_prompts"], "greedy_format_rate": m["greedy_format_rate"],
-                     "seconds_by_stage": by_stage, "seconds_total": round(sum(by_stage.values()), 1)})
+                     "seconds_by_stage": by_stage, "seconds_total": round(sum(by_stage.values()), 1),
+                     "late": late_means(run, planned)})
     per_arm = {}
     for arm in ARMS:
         rs = [r for r in rows if r["arm"] == arm]
