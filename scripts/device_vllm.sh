@@ -21,8 +21,9 @@
 #   scripts/device_vllm.sh orchestrated [ARGS]  benchmarks/orchestrated_step.py on .device/rl/bench.yaml
 #                                       (carry .device/rl and .device/svc)
 #   scripts/device_vllm.sh kernels      issue 17's decode GEMMs: build the CUDA one, the `gpu` tests of both
-#                                       kernels, then benchmarks/nvfp4_gemv.py (Triton, CUDA, Marlin, cuBLAS,
-#                                       LoRA stock and dual stream) -> $OUT/nvfp4_gemv.json (~4-5 min)
+#                                       kernels, then benchmarks/nvfp4_gemv.py (Triton, CUDA with both code
+#                                       layouts, Marlin, cuBLAS, LoRA stock and dual stream) -> $OUT/nvfp4_gemv.json
+#                                       and benchmarks/nvfp4_gemv_bound.py -> $OUT/nvfp4_gemv_bound.json (~6-7 min)
 #   scripts/device_vllm.sh train-memory the chunked-MLP memory arms of benchmarks/train_step.py (micro-batch 2
 #                                       and 8, offload in both arms) -> $OUT/train_step_mlpchunk.json (~3-4 min)
 #   scripts/device_vllm.sh rl-step      benchmarks/rl_step.py (BF16 vs NVFP4 (+ AQN), 7B shape) -> $OUT/rl_step.json
@@ -178,6 +179,7 @@ EOF
     timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_nvfp4_gemv_cuda.py tests/test_nvfp4_gemv.py \
       2>&1 | tee "$OUT/kernels_gpu_tests.log" | tail -30
     timeout 300 python3 benchmarks/nvfp4_gemv.py --out "$OUT/nvfp4_gemv.json" 2>&1 | tee "$OUT/nvfp4_gemv.log" | tail -40
+    timeout 150 python3 benchmarks/nvfp4_gemv_bound.py --out "$OUT/nvfp4_gemv_bound.json" 2>&1 | tee "$OUT/nvfp4_gemv_bound.log" | tail -20
     ;;
   train-memory)
     gpu_env
