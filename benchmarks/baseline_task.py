@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from qerl_lib import rewards  # noqa: E402
 from qerl_lib.config import RewardConfig  # noqa: E402
-from qerl_lib.data import synthetic_problem  # noqa: E402
+from qerl_lib.arith_task import synthetic_problem  # noqa: E402
 from qerl_lib.io import atomic_write_json  # noqa: E402
 from qerl_lib.seeds import derive_seed  # noqa: E402
 
