@@ -208,7 +208,7 @@ def load_nf4_model(checkpoint_dir: str | Path, dtype: torch.dtype, device: torch
 
 def load_base(checkpoint_dir: str | Path, quant: str, dtype: torch.dtype, device: torch.device):
     """The frozen base: packed NVFP4 layers (never a 16-bit copy), NF4 layers, or a dense model."""
-    from qerl_lib.nvfp4_linear import load_dense_model, load_nvfp4_model
+    from qerl_lib.nvfp4_loader import load_dense_model, load_nvfp4_model
 
     checkpoint_dir = Path(checkpoint_dir)
     if not (checkpoint_dir / "config.json").is_file():

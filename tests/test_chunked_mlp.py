@@ -230,7 +230,8 @@ def test_switching_chunks_off_again_restores_the_plain_forward():
 def test_nvfp4_base_chunked_equals_unchunked(model_kind, dtype, request):
     """The same through the packed NVFP4 base (`NVFP4Linear`, PyTorch path on the CPU) of the tiny
     llm-compressor checkpoints, whole model, both checkpointing paths, 2 x 12 tokens in chunks of 5."""
-    from qerl_lib.nvfp4_linear import NVFP4Linear, load_nvfp4_model
+    from qerl_lib.nvfp4_linear import NVFP4Linear
+    from qerl_lib.nvfp4_loader import load_nvfp4_model
 
     nvfp4_dir = request.getfixturevalue(f"tiny_{model_kind}_nvfp4_dir")
 
@@ -340,7 +341,7 @@ def test_gpu_nvfp4_chunked_equals_unchunked(mode, tiny_qwen2_nvfp4_dir):
     """On CUDA (Triton NVFP4 backend, pinned-memory offload for 'offload'), bf16: the same gradients."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from qerl_lib.nvfp4_linear import load_nvfp4_model
+    from qerl_lib.nvfp4_loader import load_nvfp4_model
 
     def make():
         torch.manual_seed(0)

@@ -67,7 +67,7 @@ def test_frozen_weight_gets_no_gradient_and_bad_input_is_named():
 def test_policy_logprobs_chunked_equals_full_on_a_lora_model(tiny_llama_dir, monkeypatch):
     """The trainer's pass: same logp, entropy and LoRA gradients with and without full logits."""
     from qerl_lib.lora import apply_lora
-    from qerl_lib.nvfp4_linear import load_dense_model
+    from qerl_lib.nvfp4_loader import load_dense_model
     from qerl_lib.trainer import build_batch, policy_logprobs, split_head
 
     torch.manual_seed(0)

@@ -19,7 +19,8 @@ from qerl_lib.lora import (
     save_adapter,
     trainable_parameters,
 )
-from qerl_lib.nvfp4_linear import NVFP4Linear, load_dense_model, load_nvfp4_model
+from qerl_lib.nvfp4_linear import NVFP4Linear
+from qerl_lib.nvfp4_loader import load_dense_model, load_nvfp4_model
 
 IDS = torch.tensor([[5, 17, 42, 9, 100, 3], [7, 7, 8, 200, 31, 64]])
 CFG = LoraConfig(r=4, alpha=8.0)

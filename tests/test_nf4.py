@@ -15,7 +15,7 @@ bnb = pytest.importorskip("bitsandbytes")
 
 def test_nf4_base_quantizes_the_decoder_linears_only(tiny_llama_dir):
     from qerl_lib.model import load_base
-    from qerl_lib.nvfp4_linear import load_dense_model
+    from qerl_lib.nvfp4_loader import load_dense_model
 
     nf4 = load_base(tiny_llama_dir, "nf4", torch.float32, torch.device("cpu"))
     dense = load_dense_model(tiny_llama_dir, torch.float32)
@@ -99,7 +99,7 @@ def test_nf4_lora_gradients_equal_a_dense_model_of_the_dequantized_weights(tiny_
     from qerl_lib.config import LoraConfig
     from qerl_lib.lora import apply_lora
     from qerl_lib.model import load_base
-    from qerl_lib.nvfp4_linear import load_dense_model
+    from qerl_lib.nvfp4_loader import load_dense_model
 
     nf4 = load_base(tiny_qwen2_dir, "nf4", torch.float32, torch.device("cpu"))
     dense = load_dense_model(tiny_qwen2_dir, torch.float32)

@@ -11,17 +11,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from qerl_lib.nvfp4 import quantize_nvfp4
-from qerl_lib.nvfp4_linear import (
-    CheckpointError,
-    MatmulBackend,
-    NVFP4Linear,
-    TORCH_BACKEND,
-    load_dense_model,
-    load_model,
-    load_nvfp4_model,
-    register_matmul_backend,
-    resident_weight_bytes,
-)
+from qerl_lib.nvfp4_linear import MatmulBackend, NVFP4Linear, TORCH_BACKEND, register_matmul_backend, resident_weight_bytes
+from qerl_lib.nvfp4_loader import CheckpointError, load_dense_model, load_model, load_nvfp4_model
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
