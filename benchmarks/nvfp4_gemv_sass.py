@@ -207,21 +207,36 @@ def tool_version(tool: str) -> str:
     return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
 
 
-def compile_and_disassemble(source: Path, arch: str, nvcc: str, nvdisasm: str) -> str:
-    """nvcc -cubin for sm_`arch` with the extension's flags, then `nvdisasm -c` of it."""
+def ptxas_resources(stderr: str) -> dict[str, dict[str, int]]:
+    """{mangled function: {"registers": n, "spill_stores": bytes, "spill_loads": bytes}} from `ptxas -v`."""
+    out: dict[str, dict[str, int]] = {}
+    current = None
+    for line in stderr.splitlines():
+        if m := re.search(r"Compiling entry function '([^']+)'", line):
+            current = out.setdefault(m.group(1), {})
+        elif current is not None and (m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)):
+            current["spill_stores"], current["spill_loads"] = int(m.group(1)), int(m.group(2))
+        elif current is not None and (m := re.search(r"Used (\d+) registers", line)):
+            current["registers"] = int(m.group(1))
+    return out
+
+
+def compile_and_disassemble(source: Path, arch: str, nvcc: str, nvdisasm: str) -> tuple[str, dict]:
+    """(`nvdisasm -c` text, `ptxas_resources`) of nvcc -cubin for sm_`arch` with the extension's flags."""
     from qerl_lib.kernels.nvfp4_gemv_cuda import build_flags
 
     flags = [f for f in build_flags(arch)[0] if not f.startswith("-gencode")]
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "nvfp4_gemv.cubin"
-        cmd = [nvcc, *flags, *TORCH_NVCC_FLAGS, f"-arch=sm_{arch}", "-cubin", "-o", str(cubin), str(source)]
+        cmd = [nvcc, *flags, *TORCH_NVCC_FLAGS, "-Xptxas=-v", f"-arch=sm_{arch}", "-cubin", "-o", str(cubin),
+               str(source)]
         built = subprocess.run(cmd, capture_output=True, text=True)
         if built.returncode != 0:
             raise SystemExit(f"nvcc failed on {source}:\n{built.stderr[-3000:]}")
         dis = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True)
         if dis.returncode != 0:
             raise SystemExit(f"nvdisasm failed on {cubin}:\n{dis.stderr[-3000:]}")
-        return dis.stdout
+        return dis.stdout, ptxas_resources(built.stderr)
 
 
 def main() -> None:
@@ -233,27 +248,30 @@ def main() -> None:
     ap.add_argument("--sass", default=None, help="analyse this `nvdisasm -c` output instead of compiling")
     args = ap.parse_args()
 
+    resources: dict = {}
     if args.sass:
         text, tools = Path(args.sass).read_text(), {"sass": args.sass}
     else:
         if shutil.which(args.nvcc) is None:
             raise SystemExit(f"{args.nvcc} not found: this compiles csrc/nvfp4_gemv.cu (CUDA toolkit 12.8+)")
         nvdisasm = find_nvdisasm(args.nvdisasm)
-        text = compile_and_disassemble(SOURCE, args.arch, args.nvcc, nvdisasm)
+        text, resources = compile_and_disassemble(SOURCE, args.arch, args.nvcc, nvdisasm)
         tools = {"nvcc": tool_version(args.nvcc), "nvdisasm": tool_version(nvdisasm)}
     rows = analyse(parse_sass(text))
     if not rows:
         raise SystemExit("no gemv_kernel in the disassembly")
+    for r in rows:  # registers decide how many warps an SM holds, so a decode change must not add many
+        r.update(resources.get(r["function"], {}))
     res = {"command": "python benchmarks/nvfp4_gemv_sass.py " + " ".join(sys.argv[1:]), "arch": f"sm_{args.arch}",
            "tools": tools, "variants": rows, "repacked_over_compressed_tensors": compare_layouts(rows)}
     print("per MMA step of the full round:")
     print(f"{'bf16':>5} {'mt':>2} {'aligned':>7} {'repacked':>8} {'steps':>5} {'instr':>6} "
-          + " ".join(f"{p:>9}" for p in PIPES[:5]) + f" {'cycles>=':>9} binding")
+          + " ".join(f"{p:>9}" for p in PIPES[:5]) + f" {'cycles>=':>9} {'regs':>4} binding")
     for r in rows:
         st = r["per_step"]
         print(f"{r['bf16']!s:>5} {r['mt']:>2} {r['aligned']!s:>7} {r['repacked']!s:>8} {r['mma_steps']:>5} "
               f"{st['instructions']:>6} " + " ".join(f"{st[p]:>9}" for p in PIPES[:5])
-              + f" {st['cycles_lower_bound']:>9} {r['binding']}")
+              + f" {st['cycles_lower_bound']:>9} {r.get('registers', '-'):>4} {r['binding']}")
     for c in res["repacked_over_compressed_tensors"]:
         print(f"repacked / compressed-tensors (bf16={c['bf16']}, mt={c['mt']}, aligned={c['aligned']}): "
               f"instructions {c['instructions']}, alu {c['alu']}, cycle bound {c['cycles_lower_bound']}")

@@ -70,6 +70,19 @@ def test_variants_from_mangled_names():
     assert rows[0]["opcodes"]["PRMT"] == 1
 
 
+def test_ptxas_resources():
+    err = """ptxas info    : Compiling entry function '_ZN2qg11gemv_kernelILb1ELi1ELb1ELb1EEEvNS_6ParamsE' for 'sm_90'
+ptxas info    : Function properties for _ZN2qg11gemv_kernelILb1ELi1ELb1ELb1EEEvNS_6ParamsE
+    0 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 103 registers, used 1 barriers, 448 bytes cmem[0]
+ptxas info    : Compiling entry function 'other' for 'sm_90'
+ptxas info    : Used 32 registers, 380 bytes cmem[0]
+"""
+    assert S.ptxas_resources(err) == {
+        "_ZN2qg11gemv_kernelILb1ELi1ELb1ELb1EEEvNS_6ParamsE": {"registers": 103, "spill_stores": 8, "spill_loads": 4},
+        "other": {"registers": 32}}
+
+
 def test_sass_file_mode(tmp_path: Path, monkeypatch):
     (tmp_path / "k.sass").write_text(LISTING)
     out = tmp_path / "r.json"
@@ -105,12 +118,14 @@ def test_real_kernel_instruction_mix(tmp_path: Path, monkeypatch):
     assert len(rows) == 16  # bf16/fp16 x 1/2 n-tiles x aligned or not x two code layouts
     for (bf16, mt, aligned, repacked), r in rows.items():
         assert r["per_step"]["tensor"] == mt  # a step: one decode, MT MMAs
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and 64 <= r["registers"] <= 128, r
         ops = r["opcodes"]
         if repacked:  # the decode this layout exists for: no byte permute, no shift-and-add (LEA.HI)
             assert "PRMT" not in ops and "LEA.HI" not in ops, ops
             other = rows[(bf16, mt, aligned, False)]
             assert r["per_step"]["alu"] < 0.7 * other["per_step"]["alu"]
             assert r["per_step"]["cycles_lower_bound"] < other["per_step"]["cycles_lower_bound"]
+            assert r["registers"] <= other["registers"] + 2  # the same warps per SM
         else:
             # a PRMT and a LEA.HI per pair of weights, 4 pairs per step
             assert ops.get("PRMT", 0) >= 4 * r["mma_steps"] and ops.get("LEA.HI", 0) >= 4 * r["mma_steps"], ops
