@@ -5,7 +5,8 @@
 #   scripts/device_vllm.sh build        build the carried vLLM 0.26 set under .device/vllm (pieces a, b; ~4 min)
 #                                       with ../shared/tools/device-vllm/build (DEVICE_VLLM_TOOL overrides the path)
 #   scripts/device_vllm.sh prepare-rl   make .device/rl: a small random Llama, its NVFP4 conversion (llm-compressor),
-#                                       the prepared data and adapter 0 of a 2-step run with rollout.backend=vllm
+#                                       the prepared data and adapter 0 of a 2-step run with rollout.backend=vllm,
+#                                       and bench.yaml (the orchestrated benchmark's config)
 #   scripts/device_vllm.sh carry        print the `carry` list and command of each device run, in order
 #
 # On the GPU machine (one device run per piece folder, back to back: the machine is given back after
@@ -124,9 +125,25 @@ algo: {dynamic_sampling: false}
 aqn: {stages: 2}
 eval: {max_prompts: 8, k: 2, max_new_tokens: 32}
 EOF
+    # benchmarks/orchestrated_step.py's config (`orchestrated`): the same model at a rollout's size,
+    # 64 prompts x G = 8 up to 256 new tokens, 3 steps (benchmarks/results/orchestrated_step.json)
+    cat > .device/rl/bench.yaml <<'EOF'
+run: {root: .device/rl/ws, steps: 3, seed: 0}
+data: {synthetic_train: 64, synthetic_test: 8}
+model: {base: .device/rl/base, quant: nvfp4}
+lora: {r: 16, alpha: 32}
+rollout: {backend: vllm, prompts_per_step: 64, group_size: 8, max_new_tokens: 256,
+          vllm_gpu_memory_utilization: 0.3, vllm_enforce_eager: false, vllm_max_lora_rank: 16,
+          vllm_dense_above: 16, vllm_lora_dual_stream: true}
+reward: {overlong_buffer: 256}
+algo: {dynamic_sampling: false}
+aqn: {stages: 2}
+eval: {max_prompts: 8, k: 2, max_new_tokens: 32}
+EOF
     for s in prepare convert init_adapter; do
       "$py" -m qerl_lib stage "$s" -c .device/rl/config.yaml || exit 1
     done
+    "$py" -m qerl_lib config -c .device/rl/bench.yaml > /dev/null || exit 1
     du -sh .device/rl
     ;;
   carry)
