@@ -250,6 +250,8 @@ def main() -> None:
 
     resources: dict = {}
     if args.sass:
+        if not Path(args.sass).is_file():
+            raise SystemExit(f"--sass {args.sass}: no such file (give the output of `nvdisasm -c` on the kernel's cubin)")
         text, tools = Path(args.sass).read_text(), {"sass": args.sass}
     else:
         if shutil.which(args.nvcc) is None:

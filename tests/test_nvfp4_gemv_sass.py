@@ -92,6 +92,14 @@ def test_sass_file_mode(tmp_path: Path, monkeypatch):
     assert res["variants"][0]["binding"] == "issue" and res["repacked_over_compressed_tensors"] == []
 
 
+def test_missing_listing_is_named(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["nvfp4_gemv_sass.py", "--sass", str(tmp_path / "none.sass"),
+                                      "--out", str(tmp_path / "r.json")])
+    with pytest.raises(SystemExit, match="none.sass: no such file"):
+        S.main()
+    assert not (tmp_path / "r.json").exists()
+
+
 def test_no_kernel_in_listing_is_an_error(tmp_path: Path, monkeypatch):
     (tmp_path / "k.sass").write_text(LISTING.split("\t.text._ZN2qg18")[0].replace("gemv_kernel", "other"))
     monkeypatch.setattr(sys, "argv", ["nvfp4_gemv_sass.py", "--sass", str(tmp_path / "k.sass"),
