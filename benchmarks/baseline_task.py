@@ -7,7 +7,7 @@ wordings, both greedy and sampled at temperature 1.0 (as rollouts sample). Every
 completion is graded by `qerl_lib.rewards.score` with the default `RewardConfig`
 (lenient extraction, format weight 0.1); strict (marker-only) accuracy is reported too.
 
-Problems come from the synthetic generator's test stream (`qerl_lib.data`), so they
+Problems come from the synthetic generator's test stream (`qerl_lib.arith_task`), so they
 are exactly what `prepare` writes. Prompts go through `rewards.format_prompt`; the
 `default` variant is the project's prompt, the others are alternatives it was chosen
 against.

@@ -10,9 +10,10 @@ instructions the steady-state round issues, and how they load the pipes.
 It compiles `qerl_lib/kernels/csrc/nvfp4_gemv.cu` for sm_90 with the extension's own nvcc flags
 (`nvfp4_gemv_cuda.build_flags`, plus the defines torch's cpp_extension adds), disassembles the cubin
 with nvdisasm (`pip install nvidia-cuda-nvdisasm`, part of the `dev` extra; or `--nvdisasm PATH`), and
-for each `gemv_kernel<BF16, MT, ALIGNED, REPACKED>` takes the basic block with the most HMMA: the full
-round of the loop (U = 4 chunks x 8 MMA steps, all bounds checks hoisted), which is where the time
-goes at 7B shapes (28-148 chunks per warp).
+for each `gemv_kernel<BF16, MT, ALIGNED, REPACKED>` takes the basic block with the most HMMA, the full
+round of the loop (U chunks of 8 MMA steps, U = 4 at one n-tile and 2 at two, bounds checks hoisted),
+with the loop's control around it (its head down to the branch into the round, and the latch back):
+where the time goes at 7B shapes (28-148 chunks of K per row tile, up to 20 per warp).
 
 Pipes of sm_90 (Hopper), each 16 lanes per SM sub-partition, so each takes one warp instruction every
 2 cycles, while the scheduler issues at most 1 per cycle:
@@ -61,19 +62,22 @@ PIPES = ("alu", "fma_heavy", "fma", "tensor", "lsu", "branch", "uniform", "other
 _PIPE_OF = {
     "alu": ("LOP3", "LOP", "PRMT", "LEA", "SHF", "SHL", "SHR", "IADD3", "IADD", "VIADD", "ISETP", "SEL",
             "FSEL", "MOV", "IMNMX", "VIMNMX", "PLOP3", "BMSK", "FLO", "POPC", "BREV", "F2FP", "FSETP",
-            "FMNMX", "IABS", "SGXT", "P2R", "R2P", "CS2R", "S2R", "LOP32I", "IADD32I"),
+            "FMNMX", "IABS", "SGXT", "P2R", "R2P", "CS2R", "LOP32I", "IADD32I"),
     "fma_heavy": ("IMAD", "IMUL", "IDP", "IMAD32I"),
     "fma": ("FFMA", "FMUL", "FADD", "HFMA2", "HMUL2", "HADD2", "FFMA32I", "FMUL32I", "FADD32I"),
     "tensor": ("HMMA", "IMMA", "HGMMA", "DMMA"),
     "lsu": ("LDG", "STG", "LDS", "STS", "LDC", "LDL", "STL", "SHFL", "LDGSTS", "LDSM", "RED", "ATOM", "ATOMS",
             "ATOMG", "REDG", "MEMBAR", "FENCE", "CCTL"),
-    "branch": ("BRA", "BSSY", "BSYNC", "EXIT", "RET", "CALL", "WARPSYNC", "BAR", "NOP", "BREAK", "YIELD", "BRX"),
+    "branch": ("BRA", "BSSY", "BSYNC", "EXIT", "RET", "CALL", "WARPSYNC", "BAR", "BREAK", "YIELD", "BRX"),
+    "uniform": ("S2UR", "R2UR", "VOTEU"),
+    "other": ("NOP", "S2R"),  # NOP issues nothing useful; S2R reads a special register (its own path)
 }
 PIPE_OF = {base: pipe for pipe, bases in _PIPE_OF.items() for base in bases}
 
-_LABEL = re.compile(r"^(\.L_x_\d+):")
+_LABEL = re.compile(r"^(\S+):\s*$")  # column 0: `.L_x_12:`, or an inlined subroutine's `$__internal_...:`
 _FUNC = re.compile(r"^\s*\.text\.(\S+):")
 _INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:(@!?U?P[T0-9])\s+)?([A-Z][A-Z0-9_.]*)(.*)$")
+_TARGET = re.compile(r"\(([^()\s]+)\)")
 _GEMV = re.compile(r"gemv_kernelILb(\d)ELi(\d)ELb(\d)ELb(\d)E")
 
 
@@ -86,45 +90,89 @@ class Instr:
     target: str | None
     """The label a branch goes to, else None."""
 
+    @property
+    def ends_block(self) -> bool:
+        return self.opcode.startswith(("BRA", "EXIT", "RET"))
+
+    @property
+    def always_leaves(self) -> bool:
+        """An unconditional jump or exit: the next block is not reached by falling through."""
+        return self.ends_block and self.predicate is None
+
+
+@dataclass
+class Function:
+    blocks: list[list[Instr]]
+    """Basic blocks in address order; a block ends at a label or after a branch."""
+    labels: dict[str, int]
+    """Label -> index of the block it starts."""
+
 
 def pipe_of(opcode: str) -> str:
     """The sm_90 pipe that executes `opcode` (module docstring); U* opcodes run on the uniform datapath."""
     base = opcode.split(".", 1)[0]
     if base in PIPE_OF:
         return PIPE_OF[base]
-    if base.startswith("U") and base[1:] in PIPE_OF:
-        return "uniform"
-    return "other"
+    return "uniform" if base.startswith("U") else "other"
 
 
-def parse_sass(text: str) -> dict[str, list[list[Instr]]]:
-    """nvdisasm's output (`nvdisasm -c`) -> {mangled function name: its basic blocks, in address order}.
-    A block ends at a label (a branch target) or after a branch."""
-    functions: dict[str, list[list[Instr]]] = {}
-    blocks: list[list[Instr]] | None = None
+def parse_sass(text: str) -> dict[str, Function]:
+    """nvdisasm's output (`nvdisasm -c`) -> {mangled function name: its basic blocks and labels}."""
+    functions: dict[str, Function] = {}
+    fn: Function | None = None
     for line in text.splitlines():
         if m := _FUNC.match(line):
-            blocks = functions.setdefault(m.group(1), [[]])
+            fn = functions.setdefault(m.group(1), Function([[]], {}))
             continue
-        if blocks is None:
+        if fn is None:
             continue
-        if _LABEL.match(line):
-            if blocks[-1]:
-                blocks.append([])
+        if m := _LABEL.match(line):
+            if fn.blocks[-1]:
+                fn.blocks.append([])
+            fn.labels[m.group(1)] = len(fn.blocks) - 1
             continue
         if m := _INSTR.match(line):
-            target = re.search(r"\((\.L_x_\d+)\)", m.group(4))
-            blocks[-1].append(Instr(m.group(3), m.group(2), target.group(1) if target else None))
-            if m.group(3).startswith(("BRA", "EXIT", "RET")):
-                blocks.append([])
-    return {name: [b for b in bs if b] for name, bs in functions.items()}
+            target = _TARGET.search(m.group(4)) if m.group(3).startswith("BRA") else None
+            fn.blocks[-1].append(Instr(m.group(3), m.group(2), target.group(1) if target else None))
+            if fn.blocks[-1][-1].ends_block:
+                fn.blocks.append([])
+    for f in functions.values():
+        if not f.blocks[-1]:
+            f.blocks.pop()
+    return functions
 
 
-def steady_round(blocks: list[list[Instr]]) -> list[Instr]:
-    """The basic block with the most tensor-core MMAs (ties: the first), i.e. the kernel's full round."""
+def _mma(block: list[Instr]) -> int:
+    return sum(pipe_of(i.opcode) == "tensor" for i in block)
+
+
+def steady_round(fn: Function) -> tuple[list[Instr], bool]:
+    """(instructions, with_loop_control) of the kernel's full round: the basic block with the most
+    tensor-core MMAs (ties: the first), plus the loop control around it where it can be followed: the
+    blocks it falls through to up to the branch back (the latch), and the blocks from the loop's head
+    down to the branch into the round. False: the block alone (no such path found)."""
+    blocks = fn.blocks
     if not blocks:
         raise ValueError("no instructions")
-    return max(blocks, key=lambda b: sum(pipe_of(i.opcode) == "tensor" for i in b))
+    r = max(range(len(blocks)), key=lambda k: _mma(blocks[k]))
+    round_labels = {label for label, i in fn.labels.items() if i == r}
+
+    def goes_back(block: list[Instr]) -> bool:
+        return block[-1].target is not None and fn.labels.get(block[-1].target, len(blocks)) <= r
+
+    latch = r
+    while not goes_back(blocks[latch]):
+        if blocks[latch][-1].always_leaves or latch + 1 == len(blocks):
+            return blocks[r], False
+        latch += 1
+    entry = []
+    for h in range(fn.labels[blocks[latch][-1].target], r):  # the head falls through to the round's entry
+        entry.append(h)
+        if blocks[h][-1].target in round_labels:
+            break
+        if blocks[h][-1].always_leaves:
+            return blocks[r], False
+    return [i for h in [*entry, *range(r, latch + 1)] for i in blocks[h]], True
 
 
 def pipe_counts(instrs: list[Instr]) -> dict[str, int]:
@@ -152,19 +200,23 @@ def variant_of(name: str) -> dict | None:
     return {"bf16": bf16 == "1", "mt": int(mt), "aligned": aligned == "1", "repacked": repacked == "1"}
 
 
-def analyse(functions: dict[str, list[list[Instr]]]) -> list[dict]:
+def analyse(functions: dict[str, Function]) -> list[dict]:
     """One row per gemv_kernel variant: its full round's instruction counts by opcode and pipe, in all and
-    per MMA step (8 weights of each of a lane's two rows decoded, then MT MMAs m16n8k16)."""
+    per MMA step (4 weights of each of a lane's two rows decoded, 8 per lane, then MT MMAs m16n8k16)."""
     rows = []
-    for name, blocks in sorted(functions.items()):
+    for name, fn in sorted(functions.items()):
         variant = variant_of(name)
         if variant is None:
             continue
-        block = steady_round(blocks)
+        block, loop_control = steady_round(fn)
         pipes = pipe_counts(block)
-        steps = pipes["tensor"] // variant["mt"]  # an MMA step decodes 8 weights per lane, then MT MMAs
+        steps = pipes["tensor"] // variant["mt"]  # a step decodes 8 weights per lane, then runs MT MMAs
+        if steps == 0 or pipes["tensor"] % variant["mt"]:
+            raise SystemExit(f"{name}: its busiest block holds {pipes['tensor']} MMAs, not a whole number of "
+                             f"steps of {variant['mt']}: the listing is not the kernel this script knows")
         cycles, limit = cycles_lower_bound(pipes)
-        rows.append({**variant, "function": name, "instructions": len(block), "mma_steps": steps, "pipes": pipes,
+        rows.append({**variant, "function": name, "instructions": len(block), "mma_steps": steps,
+                     "with_loop_control": loop_control, "pipes": pipes,
                      "per_step": {"instructions": round(len(block) / steps, 2),
                                   **{p: round(v / steps, 2) for p, v in pipes.items()},
                                   "cycles_lower_bound": round(cycles / steps, 2)},
@@ -191,6 +243,8 @@ def compare_layouts(rows: list[dict]) -> list[dict]:
 def find_nvdisasm(explicit: str | None) -> str:
     """--nvdisasm, else nvdisasm on PATH, else the one the `nvidia-cuda-nvdisasm` wheel installs."""
     if explicit:
+        if not Path(explicit).is_file():
+            raise SystemExit(f"--nvdisasm {explicit}: no such file")
         return explicit
     if found := shutil.which("nvdisasm"):
         return found
@@ -203,6 +257,7 @@ def find_nvdisasm(explicit: str | None) -> str:
 
 
 def tool_version(tool: str) -> str:
+    """The last line of `tool --version` (nvcc and nvdisasm print their build there)."""
     out = subprocess.run([tool, "--version"], capture_output=True, text=True)
     return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
 
@@ -243,7 +298,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/nvfp4_gemv_sass.json"))
     ap.add_argument("--arch", default="90", help="SM architecture to compile for (the H200: 90)")
-    ap.add_argument("--nvcc", default="nvcc")
+    ap.add_argument("--nvcc", default="nvcc", help="the nvcc to compile with (CUDA 12.8+)")
     ap.add_argument("--nvdisasm", default=None, help="path to nvdisasm (default: PATH, then the pip wheel)")
     ap.add_argument("--sass", default=None, help="analyse this `nvdisasm -c` output instead of compiling")
     args = ap.parse_args()

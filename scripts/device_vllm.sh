@@ -24,7 +24,10 @@
 #   scripts/device_vllm.sh kernels      issue 17's decode GEMMs: build the CUDA one, the `gpu` tests of both
 #                                       kernels, then benchmarks/nvfp4_gemv.py (Triton, CUDA with both code
 #                                       layouts, Marlin, cuBLAS, LoRA stock and dual stream) -> $OUT/nvfp4_gemv.json
-#                                       and benchmarks/nvfp4_gemv_bound.py -> $OUT/nvfp4_gemv_bound.json (~6-7 min)
+#                                       (4.5 min in session 13, before the repacked arms)
+#   scripts/device_vllm.sh kernel-bound benchmarks/nvfp4_gemv_bound.py (the GEMV's reads and arithmetic apart,
+#                                       both code layouts) -> $OUT/nvfp4_gemv_bound.json; the next call after
+#                                       `kernels` (the built extension is cached in /tmp/qerl-cache)
 #   scripts/device_vllm.sh train-memory the chunked-MLP memory arms of benchmarks/train_step.py (micro-batch 2
 #                                       and 8, offload in both arms) -> $OUT/train_step_mlpchunk.json (~3-4 min)
 #   scripts/device_vllm.sh rl-step      benchmarks/rl_step.py (BF16 vs NVFP4 (+ AQN), 7B shape) -> $OUT/rl_step.json
@@ -128,6 +131,9 @@ EOF
     # benchmarks/orchestrated_step.py's config (`orchestrated`): the same model at a rollout's size,
     # 64 prompts x G = 8 up to 256 new tokens, 3 steps (benchmarks/results/orchestrated_step.json)
     cat > .device/rl/bench.yaml <<'EOF'
+# config.yaml's run at the size of a real rollout for benchmarks/orchestrated_step.py: 64 prompts x G = 8
+# per step, up to 256 new tokens (the small model has 512 positions; 225-token prompts leave room for 256),
+# over 3 steps; the reward's overlong buffer spans all 256 tokens.
 run: {root: .device/rl/ws, steps: 3, seed: 0}
 data: {synthetic_train: 64, synthetic_test: 8}
 model: {base: .device/rl/base, quant: nvfp4}
@@ -196,7 +202,11 @@ EOF
     timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_nvfp4_gemv_cuda.py tests/test_nvfp4_gemv.py \
       2>&1 | tee "$OUT/kernels_gpu_tests.log" | tail -30
     timeout 300 python3 benchmarks/nvfp4_gemv.py --out "$OUT/nvfp4_gemv.json" 2>&1 | tee "$OUT/nvfp4_gemv.log" | tail -40
-    timeout 150 python3 benchmarks/nvfp4_gemv_bound.py --out "$OUT/nvfp4_gemv_bound.json" 2>&1 | tee "$OUT/nvfp4_gemv_bound.log" | tail -20
+    ;;
+  kernel-bound)
+    gpu_env
+    export QERL_CACHE_DIR=${QERL_CACHE_DIR:-/tmp/qerl-cache} PATH=$(dirname "$(command -v python3)"):$PATH
+    timeout 300 python3 benchmarks/nvfp4_gemv_bound.py --out "$OUT/nvfp4_gemv_bound.json" 2>&1 | tee "$OUT/nvfp4_gemv_bound.log" | tail -20
     ;;
   train-memory)
     gpu_env

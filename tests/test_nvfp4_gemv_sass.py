@@ -21,16 +21,20 @@ LISTING = """
         /*0000*/                   IMAD.MOV.U32 R1, RZ, RZ, c[0x0][0x28] ;
         /*0010*/              @!P0 BRA `(.L_x_2) ;
 .L_x_1:
-        /*0020*/                   PRMT R18, R97, 0x6020, R20 ;
-        /*0030*/                   LOP3.LUT R16, R96, 0x80008000, RZ, 0xc0, !PT ;
-        /*0040*/                   LEA.HI R17, R16, R18, RZ, 0x1c ;
-        /*0050*/                   HMUL2.BF16_V2 R16, R16, R17 ;
-        /*0060*/                   HMMA.16816.F32.BF16 R80, R80, R48, R16 ;
-        /*0070*/                   ULOP3.LUT UR4, UR4, 0x1, URZ, 0xc0, !UPT ;
-        /*0080*/               @P1 BRA `(.L_x_1) ;
+        /*0020*/                   ISETP.GE.AND P2, PT, R6, UR23, PT ;
+        /*0030*/              @!P2 BRA `(.L_x_3) ;
+.L_x_3:
+        /*0040*/                   PRMT R18, R97, 0x6020, R20 ;
+        /*0050*/                   LOP3.LUT R16, R96, 0x80008000, RZ, 0xc0, !PT ;
+        /*0060*/                   LEA.HI R17, R16, R18, RZ, 0x1c ;
+        /*0070*/                   HMUL2.BF16_V2 R16, R16, R17 ;
+        /*0080*/                   HMMA.16816.F32.BF16 R80, R80, R48, R16 ;
+.L_x_4:
+        /*0090*/                   ULOP3.LUT UR4, UR4, 0x1, URZ, 0xc0, !UPT ;
+        /*00a0*/               @P1 BRA `(.L_x_1) ;
 .L_x_2:
-        /*0090*/                   LDG.E.128 R4, desc[UR6][R2.64] ;
-        /*00a0*/                   EXIT ;
+        /*00b0*/                   LDG.E.128 R4, desc[UR6][R2.64] ;
+        /*00c0*/                   EXIT ;
 \t.text._ZN2qg18lora_shrink_kernelILb1ELi8EEEvNS_12ShrinkParamsE:
         /*0000*/                   FFMA R1, R2, R3, R1 ;
 """
@@ -40,23 +44,34 @@ def test_parse_splits_functions_and_blocks():
     fns = S.parse_sass(LISTING)
     assert set(fns) == {"_ZN2qg11gemv_kernelILb1ELi1ELb1ELb0EEEvNS_6ParamsE",
                         "_ZN2qg18lora_shrink_kernelILb1ELi8EEEvNS_12ShrinkParamsE"}
-    blocks = fns["_ZN2qg11gemv_kernelILb1ELi1ELb1ELb0EEEvNS_6ParamsE"]
-    # entry (ends at its branch), the loop body (ends at the back branch), the tail
-    assert [len(b) for b in blocks] == [2, 7, 2]
-    assert blocks[0][1] == S.Instr("BRA", "@!P0", ".L_x_2")
-    assert blocks[1][-1].target == ".L_x_1"
-    assert S.steady_round(blocks) is blocks[1]
+    fn = fns["_ZN2qg11gemv_kernelILb1ELi1ELb1ELb0EEEvNS_6ParamsE"]
+    # entry (ends at its branch), the loop's head, the round, the latch, the tail
+    assert [len(b) for b in fn.blocks] == [2, 2, 5, 2, 2]
+    assert fn.labels == {".L_x_1": 1, ".L_x_3": 2, ".L_x_4": 3, ".L_x_2": 4}
+    assert fn.blocks[0][1] == S.Instr("BRA", "@!P0", ".L_x_2")
+    # the round with its loop control: the head down to its branch into the round, the round, the latch
+    body, control = S.steady_round(fn)
+    assert control and body == fn.blocks[1] + fn.blocks[2] + fn.blocks[3]
+
+
+def test_round_without_a_loop_is_the_block_alone():
+    fn = S.parse_sass(LISTING.replace("@P1 BRA `(.L_x_1)", "@P1 BRA `(.L_x_2)"))[
+        "_ZN2qg11gemv_kernelILb1ELi1ELb1ELb0EEEvNS_6ParamsE"]
+    body, control = S.steady_round(fn)
+    assert not control and body == fn.blocks[2]
 
 
 def test_pipes_and_cycle_bound():
     assert [S.pipe_of(o) for o in ("LOP3.LUT", "PRMT", "LEA.HI", "IMAD.SHL.U32", "IMAD.HI.U32", "HMUL2.BF16_V2",
-                                   "HMMA.16816.F32.BF16", "LDG.E.128", "ULOP3.LUT", "BRA", "XYZ")] == \
-        ["alu", "alu", "alu", "fma_heavy", "fma_heavy", "fma", "tensor", "lsu", "uniform", "branch", "other"]
-    body = S.parse_sass(LISTING)["_ZN2qg11gemv_kernelILb1ELi1ELb1ELb0EEEvNS_6ParamsE"][1]
+                                   "HMMA.16816.F32.BF16", "LDG.E.128", "ULOP3.LUT", "S2UR", "UTMALDG", "BRA",
+                                   "NOP", "XYZ")] == \
+        ["alu", "alu", "alu", "fma_heavy", "fma_heavy", "fma", "tensor", "lsu", "uniform", "uniform", "uniform",
+         "branch", "other", "other"]
+    body, _ = S.steady_round(S.parse_sass(LISTING)["_ZN2qg11gemv_kernelILb1ELi1ELb1ELb0EEEvNS_6ParamsE"])
     pipes = S.pipe_counts(body)
-    assert pipes == {"alu": 3, "fma_heavy": 0, "fma": 1, "tensor": 1, "lsu": 0, "branch": 1, "uniform": 1,
+    assert pipes == {"alu": 4, "fma_heavy": 0, "fma": 1, "tensor": 1, "lsu": 0, "branch": 2, "uniform": 1,
                      "other": 0}
-    assert S.cycles_lower_bound(pipes) == (7, "issue")  # 7 issued beat 2 x 3 on the integer pipe
+    assert S.cycles_lower_bound(pipes) == (9, "issue")  # 9 issued beat 2 x 4 on the integer pipe
     assert S.cycles_lower_bound({**pipes, "alu": 6}) == (12, "alu")
     assert S.cycles_lower_bound({**dict.fromkeys(S.PIPES, 0), "fma_heavy": 3, "fma": 4}) == (7, "fma")
 
@@ -66,8 +81,11 @@ def test_variants_from_mangled_names():
         {"bf16": False, "mt": 2, "aligned": True, "repacked": True}
     assert S.variant_of("_ZN2qg18lora_shrink_kernelILb1ELi8EEEvNS_12ShrinkParamsE") is None
     rows = S.analyse(S.parse_sass(LISTING))
-    assert len(rows) == 1 and rows[0]["mma_steps"] == 1 and rows[0]["per_step"]["alu"] == 3
-    assert rows[0]["opcodes"]["PRMT"] == 1
+    assert len(rows) == 1 and rows[0]["mma_steps"] == 1 and rows[0]["per_step"]["alu"] == 4
+    assert rows[0]["opcodes"]["PRMT"] == 1 and rows[0]["with_loop_control"]
+    two_tiles = LISTING.replace("ILb1ELi1ELb1ELb0E", "ILb1ELi2ELb1ELb0E")  # one MMA is not a step of 2
+    with pytest.raises(SystemExit, match="not a whole number of steps of 2"):
+        S.analyse(S.parse_sass(two_tiles))
 
 
 def test_ptxas_resources():
@@ -90,6 +108,11 @@ def test_sass_file_mode(tmp_path: Path, monkeypatch):
     S.main()
     res = json.loads(out.read_text())
     assert res["variants"][0]["binding"] == "issue" and res["repacked_over_compressed_tensors"] == []
+
+
+def test_missing_nvdisasm_is_named(tmp_path: Path):
+    with pytest.raises(SystemExit, match="nope: no such file"):
+        S.find_nvdisasm(str(tmp_path / "nope"))
 
 
 def test_missing_listing_is_named(tmp_path: Path, monkeypatch):
@@ -125,11 +148,13 @@ def test_real_kernel_instruction_mix(tmp_path: Path, monkeypatch):
     rows = {(r["bf16"], r["mt"], r["aligned"], r["repacked"]): r for r in res["variants"]}
     assert len(rows) == 16  # bf16/fp16 x 1/2 n-tiles x aligned or not x two code layouts
     for (bf16, mt, aligned, repacked), r in rows.items():
-        assert r["per_step"]["tensor"] == mt  # a step: one decode, MT MMAs
+        # the full round: U = 4 chunks of 8 steps at one n-tile, 2 at two; loop control found around it
+        assert r["mma_steps"] == (32 if mt == 1 else 16) and r["with_loop_control"], r
         assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and 64 <= r["registers"] <= 128, r
         ops = r["opcodes"]
-        if repacked:  # the decode this layout exists for: no byte permute, no shift-and-add (LEA.HI)
-            assert "PRMT" not in ops and "LEA.HI" not in ops, ops
+        if repacked:  # the decode this layout exists for: no byte permute, no shift-and-add (LEA.HI: one
+            # is left, in the loop's control)
+            assert "PRMT" not in ops and ops.get("LEA.HI", 0) <= 1, ops
             other = rows[(bf16, mt, aligned, False)]
             assert r["per_step"]["alu"] < 0.7 * other["per_step"]["alu"]
             assert r["per_step"]["cycles_lower_bound"] < other["per_step"]["cycles_lower_bound"]

@@ -12,11 +12,12 @@ beside this file:
   stage_times.jsonl, config.yaml, vllm_engine.json, convert_report.json, eval/step=K/metrics.json, and
   24 rows of each evaluation's samples); each JSON object gains `command`, the run's command line;
 - `results/summary.json`: one row per (arm, seed) with `arm`, `seed`, `steps` (RL steps done),
-  `greedy_acc`, `pass1` (pass@1 over k samples), their standard errors, `n_test`, wall-clock; the base
+  `greedy_acc`, `pass1` (pass@1 over k samples), their standard errors, `n_test`, wall-clock, `late`
+  (training-step columns averaged over the run's second half, LATE_KEYS); the base
   rows (`arm: "base"` for BF16, `arm: "base_nvfp4"` for the NVFP4 base) from the step-0 evaluations;
   runs without an evaluation at their last step are listed under `incomplete` with the steps they
   trained (`steps` = `planned` when only the final evaluation was cut);
-- `results/curves.png`: reward, entropy, KL to the base and kept fraction per step, one line per arm
+- `results/curves.png`: reward, entropy, KL to the base and the samples' correct rate per step, one line per arm
   (the mean over its seeds that trained every step, evaluated or not, with a band of +- one standard
   deviation where there are two or more).
 """

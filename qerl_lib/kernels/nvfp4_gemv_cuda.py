@@ -11,7 +11,7 @@ scale groups) and 2 bytes of FP8 scales per row, four chunks in flight before th
 (`ld.global.nc.L1::no_allocate`: codes bypass L1, which keeps x). A nibble pair becomes a bf16 (fp16)
 pair with prmt, two masks and a shift (e2m1 * 2**-126), times the group's scale * 2**119 in one packed
 multiply: W'' = e2m1 * fp8 * 2**-7 exactly; the K order inside a lane is permuted identically for W
-and x, so x enters the MMA as its own contiguous pairs. About 28 instructions per MMA step (8
+and x, so x enters the MMA as its own contiguous pairs. About 29 instructions per MMA step (8
 weights per lane) in the loop's full round, whatever M up to 8 (counted by benchmarks/nvfp4_gemv_sass.py). A block is WR row tiles x WK warps splitting K; the warps'
 float32 accumulators are summed through shared memory in a fixed order (deterministic, no atomics,
 no counters), and the epilogue applies 128 / global_scale, bias and LoRA.
@@ -20,8 +20,8 @@ no counters), and the epilogue applies 128 / global_scale, bias and LoRA.
 integer pipe (docs/gpu.md, session 13), where the compressed-tensors decode spends four instructions
 per pair of weights (PRMT, two LOP3, LEA). `repack_codes` stores each word's magnitudes and signs
 apart, so that a pair takes two shifts (on the FMA pipe) and two LOP3; same bits, same MMAs, same
-results. Built and checked on the CPU (host emulation; as compiled, 24.0 instructions per MMA step,
-11.6 on the integer pipe, against 28.2 and 18.4); not yet timed on the GPU; the vLLM worker uses
+results. Built and checked on the CPU (host emulation; as compiled, 24.7 instructions per MMA step,
+11.8 on the integer pipe, against 28.9 and 18.7); not yet timed on the GPU; the vLLM worker uses
 it only under QERL_VLLM_GEMV_REPACK=1 (`qerl_lib.rollout.vllm_gemv`).
 
 **LoRA.** Two launches, both graph-capturable: `lora_shrink_kernel` computes t [M, slices * r] =

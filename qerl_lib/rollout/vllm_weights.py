@@ -33,6 +33,7 @@ class NormNoise(NoiseInjector):
 
     @property
     def clean(self) -> dict[str, torch.Tensor]:
+        """The noise-free norm weights by AQN key: the checkpoint's, with the adapter's trained norms on top."""
         return self._clean
 
     @torch.no_grad()
@@ -69,6 +70,8 @@ class NormNoise(NoiseInjector):
         return n
 
     def describe(self) -> dict[str, Any]:
+        """What the engine's AQN writes into (`qerl_set_noise`, `qerl_norm_info`): targets, their classes, the last
+        (sigma, seed, step), the sigma mode, dtype and a fingerprint of the current weights."""
         classes = sorted({f"{type(m).__module__}.{type(m).__name__}" for _, m in self.targets})
         return {"targets": len(self.targets), "classes": classes, "state": list(self.state or (0.0, 0, 0)),
                 "mode": self.mode, "dtype": str(self.targets[0][1].weight.dtype), "fingerprint": self.fingerprint()}
@@ -114,8 +117,8 @@ def merge_partitions(dense: torch.Tensor, widths: list[int], deltas: list[torch.
     return dense
 
 
-def adapter_deltas(adapter_dir: str | Path) -> tuple[dict[str, torch.Tensor], float, dict[str, Any]]:
-    """(PEFT module name -> (lora_A, lora_B) pair dict, scaling, adapter_config) of a saved adapter.
+def adapter_deltas(adapter_dir: str | Path) -> tuple[dict[str, dict[str, torch.Tensor]], float, dict[str, Any]]:
+    """(PEFT module name -> {"lora_A": [r, K], "lora_B": [N, r]}, scaling, adapter_config) of a saved adapter.
 
     Module names drop PEFT's `base_model.model.` prefix (`model.layers.0.self_attn.q_proj`).
     Scaling is lora_alpha / r (lora_alpha / sqrt(r) with `use_rslora`); per-module rank or
