@@ -128,28 +128,14 @@ algo: {dynamic_sampling: false}
 aqn: {stages: 2}
 eval: {max_prompts: 8, k: 2, max_new_tokens: 32}
 EOF
-    # benchmarks/orchestrated_step.py's config (`orchestrated`): the same model at a rollout's size,
-    # 64 prompts x G = 8 up to 256 new tokens, 3 steps (benchmarks/results/orchestrated_step.json)
-    cat > .device/rl/bench.yaml <<'EOF'
-# config.yaml's run at the size of a real rollout for benchmarks/orchestrated_step.py: 64 prompts x G = 8
-# per step, up to 256 new tokens (the small model has 512 positions; 225-token prompts leave room for 256),
-# over 3 steps; the reward's overlong buffer spans all 256 tokens.
-run: {root: .device/rl/ws, steps: 3, seed: 0}
-data: {synthetic_train: 64, synthetic_test: 8}
-model: {base: .device/rl/base, quant: nvfp4}
-lora: {r: 16, alpha: 32}
-rollout: {backend: vllm, prompts_per_step: 64, group_size: 8, max_new_tokens: 256,
-          vllm_gpu_memory_utilization: 0.3, vllm_enforce_eager: false, vllm_max_lora_rank: 16,
-          vllm_dense_above: 16, vllm_lora_dual_stream: true}
-reward: {overlong_buffer: 256}
-algo: {dynamic_sampling: false}
-aqn: {stages: 2}
-eval: {max_prompts: 8, k: 2, max_new_tokens: 32}
-EOF
     for s in prepare convert init_adapter; do
       "$py" -m qerl_lib stage "$s" -c .device/rl/config.yaml || exit 1
     done
-    "$py" -m qerl_lib config -c .device/rl/bench.yaml > /dev/null || exit 1
+    # benchmarks/orchestrated_step.py's config (`orchestrated`): this run at the size of a real rollout,
+    # 64 prompts x G = 8 per step up to 256 new tokens (the model has 512 positions and 225-token prompts),
+    # 3 steps, the overlong buffer over all 256 tokens (benchmarks/results/orchestrated_step.json)
+    "$py" -m qerl_lib config -c .device/rl/config.yaml -s run.steps=3 -s rollout.prompts_per_step=64 \
+      -s rollout.group_size=8 -s rollout.max_new_tokens=256 -s reward.overlong_buffer=256 > .device/rl/bench.yaml || exit 1
     du -sh .device/rl
     ;;
   carry)
