@@ -23,7 +23,8 @@ Pipes of sm_90 (Hopper), each 16 lanes per SM sub-partition, so each takes one w
   shifts by a constant);
 - `fma`: FP32 and packed FP16/BF16 arithmetic (FFMA, FMUL, FADD, HFMA2, HMUL2, HADD2), issued to
   fma-heavy or fma-lite, so up to one per cycle between them;
-- `tensor` (HMMA), `lsu` (loads, stores, shuffles), `branch` and `uniform` (the U* datapath).
+- `tensor` (HMMA), `lsu` (loads, stores, shuffles), `branch`, `uniform` (the U* datapath, S2UR, R2UR)
+  and `other` (NOP, S2R, anything unknown: each still takes an issue slot).
 
 `cycles_lower_bound` of a round = max(2 x alu, 2 x fma_heavy, fma_heavy + fma, issued): the fewest
 cycles one sub-partition needs for that round's instructions if nothing stalls. It ranks variants
