@@ -220,7 +220,8 @@ EOF
 }
 
 # ---------------------------------------------------------------------------------------------
-# Issue 16 on the H200: experiments/qwen05_gsm8k, calls back to back (/tmp lives only while warm):
+# Issue 16 on the H200: experiments/qwen05_gsm8k (QWEN_EXPERIMENT: another folder of experiments/ holding
+# the same arm configs, e.g. a changed recipe), calls back to back (/tmp lives only while warm):
 #   1  carry .device/vllm/a .device/exp/w .device/snap.tgz
 #                                              bash .device/vllm/a/install.sh; bash scripts/device_experiment.sh keep-w
 #   2  carry .device/vllm/b .device/exp/g     bash .device/vllm/b/install.sh && bash scripts/device_experiment.sh keep-w
@@ -231,10 +232,11 @@ EOF
 #        (runs the arm:seed:base-eval list QWEN_RUNS, QWEN_PARALLEL (4) at a time with OMP_NUM_THREADS=3,
 #        until ARMS_DEADLINE (epoch s) or ARMS_TIMEOUT (500 s) after its start; the next call resumes them)
 # Calls 11-12 (and qwen-convert) may run from a frozen copy of the code: `snap` here writes .device/snap.tgz
-# (qerl_lib, flows, tasks, scripts, experiments/qwen05_gsm8k); carry it with call 1, and `keep-w` unpacks it
+# (qerl_lib, flows, tasks, scripts, experiments/$QWEN_EXPERIMENT); carry it with call 1, and `keep-w` unpacks it
 # into /tmp/qerl-exp/src, so edits made here meanwhile cannot change a run between its two calls.
 #        (runs every arm x seed of QWEN_RUNS side by side; a second call resumes them)
 # Here: `pack-qwen05` (above) and `GSM8K_DIR=... pack-w` (llm-compressor's wheels and GSM8K's two files).
+QWEN_EXPERIMENT=${QWEN_EXPERIMENT:-qwen05_gsm8k}  # the folder of experiments/ whose ARM.yaml the runs use
 QWEN_RUNS=${QWEN_RUNS:-"bf16:0:true nvfp4:0:true nvfp4_aqn:0:false bf16_aqn:0:false nvfp4_aqn_rel:0:false
   bf16:1:false nvfp4:1:false nvfp4_aqn:1:false bf16:2:false nvfp4:2:false nvfp4_aqn:2:false"}
 # arm:seed:base-eval. Only the first run of each quantization evaluates the base (eval.base): the
@@ -262,7 +264,7 @@ pack_w() {
 }
 
 snap() {
-  tar --exclude=__pycache__ -czf .device/snap.tgz qerl_lib flows tasks scripts experiments/qwen05_gsm8k pyproject.toml \
+  tar --exclude=__pycache__ -czf .device/snap.tgz qerl_lib flows tasks scripts "experiments/$QWEN_EXPERIMENT" pyproject.toml \
     && ls -la .device/snap.tgz
 }
 
@@ -278,7 +280,7 @@ keep_w() {  # on the device: whichever of the frozen code, the wheels (w) and GS
   ls $EXP/site $EXP/gsm8k | tr '\n' ' '; echo
 }
 
-qwen_cfg() { echo "experiments/qwen05_gsm8k/$1.yaml"; }
+qwen_cfg() { echo "experiments/$QWEN_EXPERIMENT/$1.yaml"; }
 
 qwen_convert() {  # once: GGUF -> models/base (BF16 HF) -> models/bf16 and models/nvfp4, in two template workspaces
   [ -f $EXP/site/.w ] || { echo "wheels missing: run keep-w first" >&2; return 3; }
