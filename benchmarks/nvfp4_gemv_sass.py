@@ -54,10 +54,6 @@ sys.path.insert(0, str(ROOT))
 from qerl_lib.io import atomic_write_json  # noqa: E402
 
 SOURCE = ROOT / "qerl_lib" / "kernels" / "csrc" / "nvfp4_gemv.cu"
-# torch.utils.cpp_extension.COMMON_NVCC_FLAGS (torch 2.x), which the extension's build adds to ours
-TORCH_NVCC_FLAGS = ["-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
-                    "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
-                    "--expt-relaxed-constexpr"]
 
 PIPES = ("alu", "fma_heavy", "fma", "tensor", "lsu", "branch", "uniform", "other")
 _PIPE_OF = {
@@ -71,8 +67,7 @@ _PIPE_OF = {
             "ATOMG", "REDG", "MEMBAR", "FENCE", "CCTL"),
     "branch": ("BRA", "BSSY", "BSYNC", "EXIT", "RET", "CALL", "WARPSYNC", "BAR", "BREAK", "YIELD", "BRX"),
     "uniform": ("S2UR", "R2UR", "VOTEU"),
-    "other": ("NOP", "S2R"),  # NOP issues nothing useful; S2R reads a special register (its own path)
-}
+}  # anything else (NOP, S2R, ...) is `other`
 PIPE_OF = {base: pipe for pipe, bases in _PIPE_OF.items() for base in bases}
 
 _LABEL = re.compile(r"^(\S+):\s*$")  # column 0: `.L_x_12:`, or an inlined subroutine's `$__internal_...:`
@@ -279,12 +274,14 @@ def ptxas_resources(stderr: str) -> dict[str, dict[str, int]]:
 
 def compile_and_disassemble(source: Path, arch: str, nvcc: str, nvdisasm: str) -> tuple[str, dict]:
     """(`nvdisasm -c` text, `ptxas_resources`) of nvcc -cubin for sm_`arch` with the extension's flags."""
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS  # what the extension's build adds to ours
+
     from qerl_lib.kernels.nvfp4_gemv_cuda import build_flags
 
     flags = [f for f in build_flags(arch)[0] if not f.startswith("-gencode")]
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "nvfp4_gemv.cubin"
-        cmd = [nvcc, *flags, *TORCH_NVCC_FLAGS, "-Xptxas=-v", f"-arch=sm_{arch}", "-cubin", "-o", str(cubin),
+        cmd = [nvcc, *flags, *COMMON_NVCC_FLAGS, "-Xptxas=-v", f"-arch=sm_{arch}", "-cubin", "-o", str(cubin),
                str(source)]
         built = subprocess.run(cmd, capture_output=True, text=True)
         if built.returncode != 0:

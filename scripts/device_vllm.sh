@@ -47,6 +47,11 @@ gpu_env() {
   export TOKENIZERS_PARALLELISM=false
 }
 
+kernel_env() {  # the decode GEMM's extension is built into (and reused from) QERL_CACHE_DIR; ninja sits beside python3
+  gpu_env
+  export QERL_CACHE_DIR=${QERL_CACHE_DIR:-/tmp/qerl-cache} PATH=$(dirname "$(command -v python3)"):$PATH
+}
+
 svc_wheels() {
   # vllm serve's own dependencies that the GPU image lacks (uvicorn, model-hosting-container-standards, ...).
   [ -f /tmp/vllm-site/.svc ] && return 0
@@ -182,16 +187,14 @@ EOF
     exit "${PIPESTATUS[0]}"
     ;;
   kernels)
-    gpu_env
-    export QERL_CACHE_DIR=${QERL_CACHE_DIR:-/tmp/qerl-cache} PATH=$(dirname "$(command -v python3)"):$PATH  # ninja
+    kernel_env
     python3 -c "import time; from qerl_lib.kernels import nvfp4_gemv_cuda as C; t = time.time(); C.load_extension(); print('CUDA decode GEMM built in', round(time.time() - t, 1), 's')" 2>&1 | tee "$OUT/kernels_build.log"
     timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_nvfp4_gemv_cuda.py tests/test_nvfp4_gemv.py \
       2>&1 | tee "$OUT/kernels_gpu_tests.log" | tail -30
     timeout 300 python3 benchmarks/nvfp4_gemv.py --out "$OUT/nvfp4_gemv.json" 2>&1 | tee "$OUT/nvfp4_gemv.log" | tail -40
     ;;
   kernel-bound)
-    gpu_env
-    export QERL_CACHE_DIR=${QERL_CACHE_DIR:-/tmp/qerl-cache} PATH=$(dirname "$(command -v python3)"):$PATH
+    kernel_env
     timeout 300 python3 benchmarks/nvfp4_gemv_bound.py --out "$OUT/nvfp4_gemv_bound.json" 2>&1 | tee "$OUT/nvfp4_gemv_bound.log" | tail -20
     ;;
   train-memory)

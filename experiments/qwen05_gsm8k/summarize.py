@@ -106,8 +106,8 @@ def collect(archives: list[Path], out: Path) -> None:
                 (dest / "stages.log").write_text("\n".join(lines) + "\n")
 
 
-def _steps_done(run: Path) -> int:
-    rows = _csv(run / "steps.csv")
+def _steps_done(run: Path, rows: list[dict]) -> int:
+    """RL steps the run finished, from its steps.csv `rows` (else from its stage log)."""
     done = [r["step"] for r in rows if r.get("has_update") == 1]
     if done:
         return max(done) + 1
@@ -120,9 +120,10 @@ LATE_KEYS = ("correct_rate", "kept_frac", "zero_variance_groups", "clip_frac", "
 """Training-step columns averaged over the second half of a run (`late`): what the recipe spends its samples on."""
 
 
-def late_means(run: Path, planned: int) -> dict:
-    """Means of LATE_KEYS over the steps of the run's second half (step >= planned // 2) that have them."""
-    rows = [r for r in _csv(run / "steps.csv") if isinstance(r.get("step"), int) and r["step"] >= planned // 2]
+def late_means(steps: list[dict], planned: int) -> dict:
+    """Means of LATE_KEYS over the rows of `steps` (a run's steps.csv) in the run's second half
+    (step >= planned // 2) that have them."""
+    rows = [r for r in steps if isinstance(r.get("step"), int) and r["step"] >= planned // 2]
     out = {"from_step": planned // 2}
     for key in LATE_KEYS:
         vals = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))]
@@ -137,7 +138,8 @@ def summarize(out: Path) -> dict:
         cfg = (run / "config.yaml").read_text() if (run / "config.yaml").is_file() else ""
         planned = int(re.search(r"^  steps: (\d+)", cfg, re.M).group(1)) if cfg else 60
         evals = {int(p.parent.name.split("=")[1]): json.loads(p.read_text()) for p in run.glob("eval/step=*/metrics.json")}
-        steps = _steps_done(run)
+        step_rows = _csv(run / "steps.csv")
+        steps = _steps_done(run, step_rows)
         times = [json.loads(s) for s in (run / "stage_times.jsonl").read_text().splitlines()] \
             if (run / "stage_times.jsonl").is_file() else []
         by_stage: dict[str, float] = {}
@@ -158,7 +160,7 @@ def summarize(out: Path) -> dict:
                      "greedy_se": m["greedy_acc_se"], "pass1": m["pass_at_1"], "pass1_se": m["pass_at_1_se"],
                      "k": m["k"], "n_test": m["n_prompts"], "greedy_format_rate": m["greedy_format_rate"],
                      "seconds_by_stage": by_stage, "seconds_total": round(sum(by_stage.values()), 1),
-                     "late": late_means(run, planned)})
+                     "late": late_means(step_rows, planned)})
     per_arm = {}
     for arm in ARMS:
         rs = [r for r in rows if r["arm"] == arm]

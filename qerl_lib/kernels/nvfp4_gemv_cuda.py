@@ -163,6 +163,13 @@ def kernel_regs(bf16: bool, mt: int, aligned: bool, repacked: bool = False) -> i
     return _REGS[key]
 
 
+def _check_code_words(codes: torch.Tensor, who: str) -> None:
+    """Both layouts' codes: uint8 [N, K/2] in whole 4-byte words (8 codes)."""
+    if codes.dtype != torch.uint8 or codes.dim() != 2 or codes.shape[1] % 4:
+        raise ValueError(f"{who}: expected uint8 [N, K/2] with K/2 a multiple of 4 (K % 8 == 0), got "
+                         f"{codes.dtype} {tuple(codes.shape)}")
+
+
 def repack_codes(packed: torch.Tensor, rows_per_step: int = 4096) -> torch.Tensor:
     """The codes of `packed` uint8 [N, K/2] (compressed-tensors: byte p of each 4-byte word holds codes
     2p (low nibble) and 2p + 1) in the repacked layout the kernel decodes with fewer integer
@@ -170,9 +177,7 @@ def repack_codes(packed: torch.Tensor, rows_per_step: int = 4096) -> torch.Tenso
     per word, magnitudes of the even codes at bits 3p..3p+2, their signs at 12 + p, magnitudes of the
     odd codes at 16 + 3p.., their signs at 28 + p. Same shape, dtype and device; a bijection, done on
     the tensor's device `rows_per_step` rows at a time (int64 temporaries: 16 bytes per code byte)."""
-    if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] % 4:
-        raise ValueError(f"repack_codes: packed must be uint8 [N, K/2] with K/2 a multiple of 4 (K % 8 == 0), got "
-                         f"{packed.dtype} {tuple(packed.shape)}")
+    _check_code_words(packed, "repack_codes")
     out = torch.empty_like(packed, memory_format=torch.contiguous_format)
     p = torch.arange(4, device=packed.device, dtype=torch.int64)
     for r0 in range(0, packed.shape[0], rows_per_step):
@@ -187,9 +192,7 @@ def repack_codes(packed: torch.Tensor, rows_per_step: int = 4096) -> torch.Tenso
 
 def unrepack_codes(repacked: torch.Tensor, rows_per_step: int = 4096) -> torch.Tensor:
     """The inverse of `repack_codes`: codes in compressed-tensors' layout again (same shape and device)."""
-    if repacked.dtype != torch.uint8 or repacked.dim() != 2 or repacked.shape[1] % 4:
-        raise ValueError(f"unrepack_codes: expected uint8 [N, K/2] with K/2 a multiple of 4, got "
-                         f"{repacked.dtype} {tuple(repacked.shape)}")
+    _check_code_words(repacked, "unrepack_codes")
     out = torch.empty_like(repacked, memory_format=torch.contiguous_format)
     p = torch.arange(4, device=repacked.device, dtype=torch.int64)
     shifts = 8 * torch.arange(4, device=repacked.device, dtype=torch.int64)
