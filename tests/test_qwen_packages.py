@@ -12,7 +12,6 @@ import dataclasses
 import hashlib
 import importlib
 import os
-import sys
 import tomllib
 from pathlib import Path
 
@@ -225,18 +224,20 @@ def test_real_05b_tokenizer_has_the_chat_template(real_05b):
 # --------------------------------------------------------------------------- the experiment's arms
 
 
-def test_qwen05_gsm8k_arms_differ_only_in_the_arm_knobs():
-    """experiments/qwen05_gsm8k: every arm's config loads and equals nvfp4_aqn outside its knobs."""
+def _flat_config(path: Path) -> dict:
+    """A config file loaded and validated, as {(section, field): value}."""
     from qerl_lib.config import load_config
 
-    exp = ROOT / "experiments" / "qwen05_gsm8k"
+    tree = load_config(path).model_dump()
+    return {(s, k): v for s, fields in tree.items() if isinstance(fields, dict) for k, v in fields.items()}
+
+
+@pytest.mark.parametrize("experiment", ["qwen05_gsm8k", "qwen05_gsm8k_v2"])
+def test_qwen05_gsm8k_arms_differ_only_in_the_arm_knobs(experiment):
+    """experiments/qwen05_gsm8k*: every arm's config loads and equals nvfp4_aqn outside its knobs."""
+    exp = ROOT / "experiments" / experiment
     knobs = {("run", "root"), ("model", "quant"), ("aqn", "enabled"), ("aqn", "sigma_mode"), ("rollout", "backend")}
-
-    def flat(name):
-        tree = load_config(exp / f"{name}.yaml").model_dump()
-        return {(s, k): v for s, fields in tree.items() if isinstance(fields, dict) for k, v in fields.items()}
-
-    ref = flat("nvfp4_aqn")
+    ref = _flat_config(exp / "nvfp4_aqn.yaml")
     assert ref[("model", "base")] == "qwen2.5-coder-0.5b" and ref[("run", "steps")] >= 60
     assert ref[("eval", "max_prompts")] is None and ref[("data", "max_test")] is None
     assert (ref[("eval", "k")], ref[("eval", "temperature")], ref[("eval", "greedy")]) == (4, 0.6, True)
@@ -245,8 +246,22 @@ def test_qwen05_gsm8k_arms_differ_only_in_the_arm_knobs():
             "bf16_aqn": ("bf16", True, "absolute", "vllm"), "nvfp4_aqn_rel": ("nvfp4", True, "relative", "vllm")}
     assert sorted(p.stem for p in exp.glob("*.yaml")) == sorted(want)
     for arm, (quant, aqn, mode, backend) in want.items():
-        got = flat(arm)
+        got = _flat_config(exp / f"{arm}.yaml")
         assert (got[("model", "quant")], got[("aqn", "enabled")], got[("aqn", "sigma_mode")],
                 got[("rollout", "backend")]) == (quant, aqn, mode, backend), arm
-        assert got[("run", "root")] == f"runs/qwen05_gsm8k/{arm}/seed0"
+        assert got[("run", "root")] == f"runs/{experiment}/{arm}/seed0"
         assert {k for k in ref if got[k] != ref[k]} <= knobs, arm
+
+
+def test_qwen05_gsm8k_v2_changes_only_the_recipe():
+    """Recipe 2 differs from the first recipe only in how it trains, never in the model, data, prompt
+    or evaluation, so the first recipe's base evaluations stand for it (`summarize.py --base-from`)."""
+    recipe = {("run", "root"), ("rollout", "prompts_per_step"), ("rollout", "batch_size"),
+              ("reward", "format_weight"), ("algo", "mini_batches"), ("optim", "warmup_steps"), ("eval", "base")}
+    for path in sorted((ROOT / "experiments" / "qwen05_gsm8k_v2").glob("*.yaml")):
+        one, two = _flat_config(ROOT / "experiments" / "qwen05_gsm8k" / path.name), _flat_config(path)
+        assert {k for k in one if one[k] != two[k]} == recipe, path.name
+        assert (two[("rollout", "prompts_per_step")], two[("reward", "format_weight")], two[("algo", "mini_batches")],
+                two[("eval", "base")]) == (16, 0.0, 2, False), path.name
+        # the warm-up counts optimizer steps: the same 3 RL steps at two optimizer steps each
+        assert two[("optim", "warmup_steps")] == one[("optim", "warmup_steps")] * two[("algo", "mini_batches")]

@@ -61,3 +61,27 @@ def test_docs_quote_the_summary(committed, doc):
         for mean, std in ((a["greedy_acc"], a["greedy_acc_std"]), (a["pass1"], a["pass1_std"])):
             quoted = f"{mean:.3f} ± {std:.3f}"
             assert quoted in text, f"{doc}: {arm} should quote {quoted} (results/summary.json)"
+
+
+def test_a_later_recipe_reuses_the_base_of_the_same_checkpoint(summarize, committed, tmp_path):
+    """`--base-from`: runs that did not evaluate their base take the base row of another summary
+    whose checkpoint hash is theirs; any other checkpoint is refused with the file named."""
+    out = tmp_path / "results"
+    for run in ("nvfp4/seed2", "nvfp4_aqn/seed2"):  # neither evaluated its base (eval.base false)
+        shutil.copytree(RESULTS / "runs" / run, out / "runs" / run)
+    assert summarize.summarize(out)["base"] == []
+    got = summarize.summarize(out, base_from=RESULTS / "summary.json")
+    want = [r for r in committed["base"] if r["arm"] == "base_nvfp4"]
+    assert [{k: v for k, v in r.items() if k != "from_summary"} for r in got["base"]] == want
+    assert got["base"][0]["from_summary"] == str(RESULTS / "summary.json") and got["rows"][0] == got["base"][0]
+
+    report = out / "runs" / "nvfp4" / "seed2" / "convert_report.json"
+    report.write_text(json.dumps({**json.loads(report.read_text()), "checkpoint_hash": "f" * 64}))
+    with pytest.raises(ValueError, match=r"nvfp4_aqn/seed2/convert_report.json: checkpoint 9c056d81\w+, but other "
+                                         r"nvfp4 runs of .* trained on f{64}"):
+        summarize.summarize(out, base_from=RESULTS / "summary.json")
+    shutil.rmtree(out / "runs" / "nvfp4_aqn")
+    # a base the other summary never measured (the first recipe's NF4) stays absent
+    assert summarize.reuse_base([], {"base_nf4": "0" * 64}, RESULTS / "summary.json") == []
+    with pytest.raises(ValueError, match=r"summary.json: no `base_nvfp4` row for checkpoint f{64}"):
+        summarize.summarize(out, base_from=RESULTS / "summary.json")

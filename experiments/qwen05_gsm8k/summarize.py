@@ -1,8 +1,11 @@
-"""Summarize the issue-16 runs (experiments/qwen05_gsm8k) into results/.
+"""Summarize the issue-16 runs (experiments/qwen05_gsm8k, or another recipe's folder) into results/.
 
     python experiments/qwen05_gsm8k/summarize.py --archive DIR [--archive DIR ...]
+    python experiments/qwen05_gsm8k/summarize.py --experiment qwen05_gsm8k_v2 --archive DIR \
+        --base-from experiments/qwen05_gsm8k/results/summary.json
 
-Each DIR is an unpacked `qwen_arms_*.tgz` of `scripts/device_experiment.sh qwen-arms` (its `runs/ARM/seedS`
+`--experiment NAME` summarizes the runs of `experiments/NAME/ARM.yaml` into `experiments/NAME/results`
+(default: this folder). Each DIR is an unpacked `qwen_arms_*.tgz` of `scripts/device_experiment.sh qwen-arms` (its `runs/ARM/seedS`
 workspaces: reports, eval metrics, per-step metric files; and `logs/`). A run in an archive replaces
 the same arm and seed in `results/runs` as a whole (an archive holds a workspace's full state, and a
 re-run of a seed must not keep an earlier attempt's files); runs it does not hold stay. Writes,
@@ -34,9 +37,18 @@ import statistics
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+EXPERIMENTS = HERE.parent
+DEFAULT_EXPERIMENT = HERE.name
 ARMS = ["bf16", "nvfp4", "nvfp4_aqn", "bf16_aqn", "nvfp4_aqn_rel", "nf4"]
 KEEP = ["reports/steps.csv", "reports/eval.csv", "reports/metrics.json", "reports/stage_times.jsonl",
         "config.yaml", "vllm_engine.json"]
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file and a rename, so a failed run never leaves half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def _csv(path: Path) -> list[dict]:
@@ -54,14 +66,14 @@ def _num(v: str):
     return int(x) if x.is_integer() and "." not in v and "e" not in v.lower() else x
 
 
-def run_command(ws: Path) -> str:
+def run_command(ws: Path, experiment: str = DEFAULT_EXPERIMENT) -> str:
     """The command that made workspace `ws`'s files (its own `config.yaml` says seed and base eval)."""
     import yaml
 
     arm, seed = ws.parent.name, int(ws.name[4:])
     cfg = yaml.safe_load((ws / "config.yaml").read_text()) if (ws / "config.yaml").is_file() else {}
     base = str(cfg.get("eval", {}).get("base", True)).lower()
-    return (f"python -m qerl_lib run -c experiments/qwen05_gsm8k/{arm}.yaml -s data.source=<gsm8k dir> "
+    return (f"python -m qerl_lib run -c experiments/{experiment}/{arm}.yaml -s data.source=<gsm8k dir> "
             f"-s run.seed={seed} -s aqn.seed={1234 + seed} -s eval.base={base} --root <workspace> "
             "(through `scripts/device_experiment.sh qwen-arms`; calls in docs/results_qwen05_gsm8k.md)")
 
@@ -77,20 +89,20 @@ def _copy(src: Path, dest: Path, command: str) -> None:
     shutil.copy2(src, dest)
 
 
-def collect(archives: list[Path], out: Path) -> None:
+def collect(archives: list[Path], out: Path, experiment: str = DEFAULT_EXPERIMENT) -> None:
     """Copy the result files of every run in `archives` (later ones win) into `out/runs`."""
     for arc in archives:
         for ws in sorted(arc.glob("runs/*/seed*")):
             dest = out / "runs" / ws.parent.name / ws.name
             if dest.exists():
                 shutil.rmtree(dest)
-            command = run_command(ws)
+            command = run_command(ws, experiment)
             for rel in KEEP:
                 if (ws / rel).is_file():
                     _copy(ws / rel, dest / Path(rel).name, command)
             for p in ws.glob("models/*/convert_report.json"):
                 _copy(p, dest / "convert_report.json",
-                      f"python -m qerl_lib stage convert -c experiments/qwen05_gsm8k/{p.parent.name}.yaml "
+                      f"python -m qerl_lib stage convert -c experiments/{experiment}/{p.parent.name}.yaml "
                       "-s data.source=<gsm8k dir> --root <template workspace> (`scripts/device_experiment.sh "
                       "qwen-convert`, once per quantization; hard-linked into each run's workspace)")
             for p in ws.glob("eval/step=*/metrics.json"):
@@ -131,12 +143,57 @@ def late_means(steps: list[dict], planned: int) -> dict:
     return out
 
 
-def summarize(out: Path) -> dict:
-    rows, base, incomplete = [], [], []
+def _planned_steps(cfg: str) -> int:
+    """`run.steps` of a run's saved `config.yaml` text (60, the first recipe's, when it has none)."""
+    return int(re.search(r"^  steps: (\d+)", cfg, re.M).group(1)) if cfg else 60
+
+
+def _checkpoint_hash(run: Path) -> str | None:
+    """The hash of the converted base checkpoint that run `run` trained on (its convert_report.json)."""
+    report = run / "convert_report.json"
+    return json.loads(report.read_text()).get("checkpoint_hash") if report.is_file() else None
+
+
+def reuse_base(base: list[dict], hashes: dict[str, str | None], base_from: Path) -> list[dict]:
+    """Base rows of the summary at `base_from` for the quantizations (`hashes`: base arm name ->
+    checkpoint hash its runs trained on) that `base` (this experiment's own base rows) lacks.
+
+    A base row is reused only for the same checkpoint bytes, since the base's answers depend on
+    the weights, the prompt and the evaluation settings alone (the experiments' `model`, `data`
+    and `eval` sections must agree: `tests/test_qwen_packages.py`). Raises ValueError, naming the
+    file and the hashes, when that summary measured a quantization's base on other bytes; a
+    quantization it never measured stays without a base row."""
+    have = {r["arm"] for r in base}
+    other = json.loads(base_from.read_text()).get("base", [])
+    reused = []
+    for arm, digest in sorted(hashes.items()):
+        if arm in have:
+            continue
+        mine = [r for r in other if r["arm"] == arm]
+        match = [r for r in mine if digest and r.get("checkpoint_hash") == digest]
+        if not mine:  # that summary never measured this base either (the first recipe's NF4)
+            continue
+        if not match:
+            found = sorted({str(r.get("checkpoint_hash")) for r in mine})
+            raise ValueError(f"{base_from}: no `{arm}` row for checkpoint {digest} (the runs' "
+                             f"convert_report.json); its `{arm}` rows have {', '.join(found)}")
+        reused.append({**match[0], "from_summary": str(base_from)})
+    return reused
+
+
+def summarize(out: Path, experiment: str = DEFAULT_EXPERIMENT, base_from: Path | None = None) -> dict:
+    rows, base, incomplete, hashes = [], [], [], {}
     for run in sorted(out.glob("runs/*/seed*")):
         arm, seed = run.parent.name, int(run.name[4:])
         cfg = (run / "config.yaml").read_text() if (run / "config.yaml").is_file() else ""
-        planned = int(re.search(r"^  steps: (\d+)", cfg, re.M).group(1)) if cfg else 60
+        planned = _planned_steps(cfg)
+        quant = re.search(r"^  quant: (\w+)", cfg, re.M)
+        base_arm = "base" if not quant or quant.group(1) == "bf16" else f"base_{quant.group(1)}"
+        digest = _checkpoint_hash(run)
+        hashes.setdefault(base_arm, digest)
+        if hashes[base_arm] != digest:
+            raise ValueError(f"{run / 'convert_report.json'}: checkpoint {digest}, but other {base_arm[5:] or 'bf16'} "
+                             f"runs of {out} trained on {hashes[base_arm]}")
         evals = {int(p.parent.name.split("=")[1]): json.loads(p.read_text()) for p in run.glob("eval/step=*/metrics.json")}
         step_rows = _csv(run / "steps.csv")
         steps = _steps_done(run, step_rows)
@@ -147,10 +204,11 @@ def summarize(out: Path) -> dict:
             by_stage[t["stage"]] = round(by_stage.get(t["stage"], 0.0) + t["seconds"], 1)
         if 0 in evals:
             m = evals[0]
-            base.append({"arm": "base" if "quant: bf16" in cfg else "base_nvfp4", "from_run": f"{arm}/seed{seed}",
+            base.append({"arm": base_arm, "from_run": f"{arm}/seed{seed}",
                          "seed": seed, "steps": 0, "greedy_acc": m["greedy_acc"], "greedy_se": m["greedy_acc_se"],
                          "pass1": m["pass_at_1"], "pass1_se": m["pass_at_1_se"], "k": m["k"],
-                         "n_test": m["n_prompts"], "greedy_format_rate": m["greedy_format_rate"]})
+                         "n_test": m["n_prompts"], "greedy_format_rate": m["greedy_format_rate"],
+                         "checkpoint_hash": digest})
         if planned not in evals:
             incomplete.append({"arm": arm, "seed": seed, "steps": steps, "planned": planned,
                                "seconds_by_stage": by_stage})
@@ -172,26 +230,40 @@ def summarize(out: Path) -> dict:
             agg[key] = statistics.fmean(vals)
             agg[f"{key}_std"] = statistics.stdev(vals) if len(vals) > 1 else None
         per_arm[arm] = agg
+    if base_from is not None:
+        base = base + reuse_base(base, hashes, base_from)
+    flags = "" if experiment == DEFAULT_EXPERIMENT else f"--experiment {experiment} "
+    if base_from is not None:
+        flags += f"--base-from {base_from} "
     return {"base": base, "rows": base + rows, "per_arm": per_arm, "incomplete": incomplete,
-            "command": "python experiments/qwen05_gsm8k/summarize.py --archive <unpacked qwen_arms_*.tgz> "
-                       "(once per session's archive: each adds its runs to results/runs, then all of "
+            "command": f"python experiments/{DEFAULT_EXPERIMENT}/summarize.py {flags}--archive <unpacked "
+                       "qwen_arms_*.tgz> (once per session's archive: each adds its runs to results/runs, then all of "
                        "results/runs is summarized; docs/results_qwen05_gsm8k.md lists the sessions)",
             "runs_made_by": "results/runs/*/seed*/*.json: their `command`"}
 
 
-def plot(out: Path, arms: list[str]) -> None:
+def recipe(experiment: str) -> tuple[int, int]:
+    """(RL steps, samples per step) of `experiments/<experiment>`, from its `nvfp4_aqn.yaml`."""
+    import yaml
+
+    cfg = yaml.safe_load((EXPERIMENTS / experiment / "nvfp4_aqn.yaml").read_text())
+    return cfg["run"]["steps"], cfg["rollout"]["prompts_per_step"] * cfg["rollout"]["group_size"]
+
+
+def plot(out: Path, arms: list[str], experiment: str = DEFAULT_EXPERIMENT) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [("reward_mean", "training reward (mean of the step's 64 samples)"), ("entropy", "entropy (nats/token)"),
+    steps, samples = recipe(experiment)
+    keys = [("reward_mean", f"training reward (mean of the step's {samples} samples)"), ("entropy", "entropy (nats/token)"),
             ("kl", "KL to the base (measured, not penalized)"), ("correct_rate", "correct rate of the samples")]
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     for ax, (key, title) in zip(axes.flat, keys):
         for arm in arms:
             runs = [_csv(p / "steps.csv") for p in sorted((out / "runs" / arm).glob("seed*"))]
-            runs = [r for r in runs if r and len(r) >= 60]
+            runs = [r for r in runs if r and len(r) >= steps]
             if not runs:
                 continue
             n = min(len(r) for r in runs)
@@ -207,7 +279,7 @@ def plot(out: Path, arms: list[str]) -> None:
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
-    fig.suptitle("Qwen2.5-Coder-0.5B-Instruct on GSM8K, 60 steps x 64 samples (experiments/qwen05_gsm8k)")
+    fig.suptitle(f"Qwen2.5-Coder-0.5B-Instruct on GSM8K, {steps} steps x {samples} samples (experiments/{experiment})")
     fig.tight_layout()
     fig.savefig(out / "curves.png", dpi=110)
 
@@ -215,13 +287,23 @@ def plot(out: Path, arms: list[str]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--archive", type=Path, action="append", default=[], help="an unpacked qwen_arms_*.tgz")
-    ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--experiment", default=DEFAULT_EXPERIMENT,
+                    help="the folder of experiments/ whose runs these are (default: %(default)s)")
+    ap.add_argument("--base-from", type=Path, default=None,
+                    help="another experiment's summary.json whose base rows stand for bases these runs did not evaluate")
+    ap.add_argument("--out", type=Path, default=None, help="default: experiments/EXPERIMENT/results")
     args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    collect(args.archive, args.out)
-    summary = summarize(args.out)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    plot(args.out, ARMS)
+    if not (EXPERIMENTS / args.experiment / "nvfp4_aqn.yaml").is_file():
+        ap.error(f"--experiment {args.experiment}: {EXPERIMENTS / args.experiment} holds no nvfp4_aqn.yaml")
+    out = args.out or EXPERIMENTS / args.experiment / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    collect(args.archive, out, args.experiment)
+    try:
+        summary = summarize(out, args.experiment, args.base_from)
+    except ValueError as e:
+        raise SystemExit(f"summarize: {e}") from None
+    write_atomic(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    plot(out, ARMS, args.experiment)
     for r in summary["rows"]:
         print(f"{r['arm']:>14} seed {r['seed']} steps {r['steps']:>2}: greedy {r['greedy_acc']:.3f} ± {r['greedy_se']:.3f}"
               f"  pass@1 {r['pass1']:.3f} ± {r['pass1_se']:.3f}  (n={r['n_test']})")
