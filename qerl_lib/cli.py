@@ -273,37 +273,11 @@ def cmd_config(args) -> int:
     return 0
 
 
-PARAMS_HEADER = """\
-# params.yaml: every knob of the DVC pipeline (dvc.yaml), in the format of a qerl config file
-# (`qerl config --show` documents each field). Written by `qerl plan`: edit a value, then run
-# `qerl plan` again when run.steps or eval.every change (it rewrites `plan`, the unrolled
-# stage list that dvc.yaml iterates over), and `dvc repro`.
-"""
-
-
-def render_params(cfg) -> str:
-    """The text of params.yaml for `cfg`: every field of the resolved config, then the plan."""
-    import yaml
-
-    from qerl_lib.config import config_to_dict, expected_plan
-
-    plan = expected_plan(cfg)
-    lines = [PARAMS_HEADER, yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False).rstrip(),
-             "plan:"]
-    if plan.steps:
-        lines.append("  steps:")
-        for s in plan.steps:
-            lines.append(f"  - {{step: {s.step}, prev: {'null' if s.prev is None else s.prev}, next: {s.next}}}")
-    else:
-        lines.append("  steps: []")
-    lines.append(f"  evals: [{', '.join(str(k) for k in plan.evals)}]")
-    return "\n".join(lines) + "\n"
-
-
 def cmd_plan(args) -> int:
     import yaml
 
     from qerl_lib.config import ConfigError, expected_plan, load_config, parse_overrides, yaml_error
+    from qerl_lib.dvc_yaml import render_params
     from qerl_lib.io import atomic_write_text, sweep_dead_temporaries
 
     target = Path(args.params)

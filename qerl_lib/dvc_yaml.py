@@ -1,4 +1,5 @@
-"""`dvc.yaml`'s stage list, rendered from the stage registry (`qerl_lib.stages.registry`).
+"""DVC's two files: `dvc.yaml`'s stage list, rendered from the stage registry
+(`qerl_lib.stages.registry`), and `params.yaml`, rendered from a config by `qerl plan` (`render_params`).
 
     python -m qerl_lib.dvc_yaml            # rewrite the `stages:` block of ./dvc.yaml
     python -m qerl_lib.dvc_yaml --check    # exit 1 when it differs (tests/test_dvc.py checks it too)
@@ -124,6 +125,33 @@ def render(current: str, root: Path = PROJECT_ROOT) -> str:
     end = next((i for i in range(start + 1, len(lines)) if lines[i] and not lines[i][0].isspace()
                 and not lines[i].startswith("#")), len(lines))
     return "\n".join(lines[:start] + render_stages(root).split("\n") + lines[end:])
+
+
+PARAMS_HEADER = """\
+# params.yaml: every knob of the DVC pipeline (dvc.yaml), in the format of a qerl config file
+# (`qerl config --show` documents each field). Written by `qerl plan`: edit a value, then run
+# `qerl plan` again when run.steps or eval.every change (it rewrites `plan`, the unrolled
+# stage list that dvc.yaml iterates over), and `dvc repro`.
+"""
+
+
+def render_params(cfg) -> str:
+    """The text of params.yaml for `cfg`: every field of the resolved config, then the plan."""
+    import yaml
+
+    from qerl_lib.config import config_to_dict, expected_plan
+
+    plan = expected_plan(cfg)
+    lines = [PARAMS_HEADER, yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False).rstrip(),
+             "plan:"]
+    if plan.steps:
+        lines.append("  steps:")
+        for s in plan.steps:
+            lines.append(f"  - {{step: {s.step}, prev: {'null' if s.prev is None else s.prev}, next: {s.next}}}")
+    else:
+        lines.append("  steps: []")
+    lines.append(f"  evals: [{', '.join(str(k) for k in plan.evals)}]")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
