@@ -121,6 +121,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def _source_text(base: str, gguf: str | None) -> str:
+    return f"{base}\n{gguf or ''}\n"
+
+
+def base_is_materialized(base: str, gguf_file: str | None, out_dir: Path) -> bool:
+    """Whether `out_dir` already holds `materialize_base`'s complete copy of this base: its `SOURCE`
+    (written last, inside the atomic directory) names the same base and resolved GGUF file. A packaged
+    base (`smollm2`, the Qwen models) names its GGUF only once resolved, so the resolved name is compared."""
+    marker = Path(out_dir) / "SOURCE"
+    if not marker.is_file():
+        return False
+    _, gguf = resolve_source(base, gguf_file)
+    return marker.read_text() == _source_text(base, gguf)
+
+
 def materialize_base(base: str, gguf_file: str | None, out_dir: Path) -> Path:
     """Write a plain bf16 HF copy (model + tokenizer) of the base model into `out_dir`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -156,7 +171,7 @@ def materialize_base(base: str, gguf_file: str | None, out_dir: Path) -> Path:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         drop_environment_keys(tmp / "tokenizer_config.json")
-        (tmp / "SOURCE").write_text(f"{base}\n{gguf or ''}\n")
+        (tmp / "SOURCE").write_text(_source_text(base, gguf))
     return out_dir
 
 

@@ -291,6 +291,7 @@ qwen_convert() {  # once: GGUF -> models/base (BF16 HF) -> models/bf16 and model
     python3 -m qerl_lib stage convert -c "$(qwen_cfg bf16)" -s data.source=$EXP/gsm8k --root $t/bf16 || return 7
   fi
   local q
+  # nvfp4 and nf4 find models/base in place (hard links, its SOURCE names the same GGUF) and skip the GGUF load
   for q in nvfp4 nf4; do  # nf4's "conversion" is a copy of the 16-bit checkpoint (vLLM quantizes it as it loads)
     if [ ! -f $t/$q/models/$q/convert_report.json ]; then
       mkdir -p $t/$q/models && rm -rf $t/$q/models/base && cp -al $t/bf16/models/base $t/$q/models/base

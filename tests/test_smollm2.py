@@ -37,6 +37,35 @@ def test_convert_report_of_the_real_model(smollm2_workspace):
     assert (layout.checkpoint("nvfp4") / "config.json").is_file()
 
 
+def test_a_second_quantization_reuses_the_materialized_base(smollm2_workspace, monkeypatch):
+    """A packaged base's `models/base/SOURCE` names its resolved GGUF file; a convert stage for another
+    quantization in the same workspace must recognise that copy and not load the GGUF again (it did
+    until session 15: the marker never matched a packaged base, which cost each Qwen conversion on the
+    GPU machine a second GGUF -> BF16 copy)."""
+    from qerl_lib import model
+    from qerl_lib.config import load_config
+    from qerl_lib.stages import convert_stage
+
+    cfg, layout, _ = smollm2_workspace
+    assert model.base_is_materialized(cfg.model.base, cfg.model.gguf_file, layout.base_model)
+
+    def again(*args):
+        raise AssertionError("materialize_base ran although models/base holds this base")
+
+    monkeypatch.setattr(model, "materialize_base", again)
+    report = convert_stage(load_config(None, {"run": {"root": str(layout.root)}, "model": {"quant": "bf16"}}), layout)
+    assert report["quant"] == "bf16" and (layout.checkpoint("bf16") / "config.json").is_file()
+
+    # a marker of the old form (without the resolved GGUF name) does not count
+    source = layout.base_model / "SOURCE"
+    text = source.read_text()
+    try:
+        source.write_text(f"{cfg.model.base}\n\n")
+        assert not model.base_is_materialized(cfg.model.base, cfg.model.gguf_file, layout.base_model)
+    finally:
+        source.write_text(text)
+
+
 def test_packed_model_follows_the_bf16_base(smollm2_workspace):
     """Greedy next tokens of the packed NVFP4 model mostly agree with the 16-bit base."""
     from qerl_lib.model import load_base, load_tokenizer

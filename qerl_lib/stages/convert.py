@@ -12,12 +12,12 @@ from qerl_lib.paths import Layout
 
 def convert_stage(cfg: QerlConfig, layout: Layout) -> dict:
     from qerl_lib.convert import convert
-    from qerl_lib.model import materialize_base
+    from qerl_lib.model import base_is_materialized, materialize_base
 
     t0 = time.perf_counter()
-    source_marker = f"{cfg.model.base}\n{cfg.model.gguf_file or ''}\n"
-    marker = layout.base_model / "SOURCE"
-    if not (marker.is_file() and marker.read_text() == source_marker):
+    # A workspace may start with models/base already in place (scripts/device_experiment.sh hard-links one
+    # copy into each quantization's workspace): the GGUF -> BF16 copy is most of a convert stage's time.
+    if not base_is_materialized(cfg.model.base, cfg.model.gguf_file, layout.base_model):
         materialize_base(cfg.model.base, cfg.model.gguf_file, layout.base_model)
     t1 = time.perf_counter()
     report = convert(layout.base_model, layout.checkpoint(cfg.model.quant), cfg.model.quant)
