@@ -25,7 +25,7 @@
 # as ten carried pieces (a 9 MB p0, then nine of at most QWEN_PIECE_MAX = 55,000,000 B), one per call:
 #   scripts/device_experiment.sh pack-qwen05   here: join + hash the installed `qwen05` extra's parts
 #                                              (qerl_lib.registry_models), cut the file into
-#                                              .device/qwen05/p0 .. p8 (each with a manifest)
+#                                              .device/qwen05/p0 .. p9 (each with a manifest)
 #   scripts/device_experiment.sh qwen05        there, once per carried piece: keep it in
 #                                              /tmp/qerl-exp/stash/qwen05; once every piece of the
 #                                              manifest is there, join them, check size and sha256
@@ -40,7 +40,7 @@ shift || true
 OUT=${OUT:-/tmp/qerl-out}
 EXP=/tmp/qerl-exp
 QWEN_PIECE_MAX=${QWEN_PIECE_MAX:-55000000}  # bytes per Qwen piece: the working tree (7.7 MB in session 9) + margin
-QWEN_FIRST=${QWEN_FIRST:-9000000}  # bytes of Qwen piece p0, carried beside vLLM's piece b (44.7 MB) and GSM8K (4.9 MB)
+QWEN_FIRST=${QWEN_FIRST:-9000000}  # bytes of Qwen piece p0 (sized to ride with vLLM's piece b; since session 11 it has a call of its own)
 PIECE_BYTES=(58000000 36000000)  # GGUF bytes in pieces a and b (c: the rest): a leaves 9 MB of the 64 MiB carry for the working tree
 
 exp_env() {
@@ -166,7 +166,7 @@ from pathlib import Path
 from qerl_lib.registry_models import PACKAGED_MODELS, packaged_gguf_path
 m = PACKAGED_MODELS["qwen2.5-coder-0.5b"]
 gguf = packaged_gguf_path(m.name, verify=True)  # joins the installed parts on first use; full hash here
-# p0 is small (QWEN_FIRST bytes): it rides with vLLM's piece b, which leaves that much of the carry free.
+# p0 is small (QWEN_FIRST bytes), sized to ride with vLLM's piece b; since session 11 it travels on a call of its own.
 first = int(os.environ["QWEN_FIRST"])
 n = math.ceil((m.size - first) / int(os.environ["QWEN_PIECE_MAX"]))
 step = math.ceil((m.size - first) / n)
