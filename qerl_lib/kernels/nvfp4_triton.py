@@ -38,7 +38,7 @@ per tile), read from shared memory. The other orientation (W as the shared-memor
 B) makes Triton 3.6 abort in `TritonGPUOptimizeDotOperands` (join + reshape feeding
 `local_alloc`). The first K (N) step is peeled so that no zero-fill of the accumulator sits
 in the pipelined loop (ptxas would serialize the wgmma, C7515). Autotune configurations are
-pruned by an M bucket (power of two): decode-like, middle and prefill sets.
+pruned by an M bucket (power of two): decode-like, middle and prefill sets (`nvfp4_triton_configs`).
 Design notes, measurements and limits: docs/kernels.md.
 
 Works under Triton's interpreter (`TRITON_INTERPRET=1`, CPU tensors) for tests; there the
@@ -52,6 +52,9 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from qerl_lib.kernels.nvfp4_triton_configs import (DQ_CONFIGS, FWD_CONFIGS, GRAD_CONFIGS,  # noqa: F401
+                                                   INTERPRETER_CONFIG, _bench, _prune)
 
 BLOCK_SIZE = 16  # inputs per FP8 block scale (qerl_lib.nvfp4.BLOCK_SIZE)
 
@@ -312,52 +315,8 @@ def _nvfp4_dequant_kernel(
 
 
 # ---------------------------------------------------------------------------------------
-# Autotuning
+# Autotuning (the configurations: qerl_lib.kernels.nvfp4_triton_configs)
 # ---------------------------------------------------------------------------------------
-
-
-def _cfg(bm, bn, bk, warps, stages, group_m=8):
-    return triton.Config(
-        {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m}, num_warps=warps, num_stages=stages
-    )
-
-
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). BLOCK_M tiles tokens (the MMA's N side, at
-# most 256); in the forward BLOCK_N tiles output features and BLOCK_K the reduction, in the
-# input-gradient kernel BLOCK_N tiles the reduction (W's rows) and BLOCK_K the output
-# (W's columns). The dequantized W tile is the MMA's M side: 64 rows per warpgroup.
-FWD_CONFIGS = [
-    # decode-like (M <= 32): memory-bound on W
-    _cfg(16, 64, 256, 4, 4), _cfg(16, 128, 128, 4, 4), _cfg(32, 64, 256, 4, 4), _cfg(32, 128, 128, 4, 3),
-    # middle (32 < M <= 256)
-    _cfg(64, 128, 128, 4, 3), _cfg(128, 128, 64, 8, 3), _cfg(128, 64, 128, 4, 3), _cfg(256, 64, 64, 4, 3),
-    # prefill / training (M > 256): 256 tokens per tile so that each dequantized W element
-    # feeds 256 MMA columns. The one-warpgroup configurations fit two CTAs per SM (registers
-    # and shared memory), so one CTA's dequantization can overlap the other's MMAs.
-    _cfg(256, 128, 64, 8, 3), _cfg(256, 128, 64, 8, 4), _cfg(256, 64, 64, 4, 2), _cfg(256, 64, 32, 4, 3),
-    _cfg(256, 64, 32, 4, 4),
-]
-GRAD_CONFIGS = [
-    _cfg(16, 64, 256, 4, 4), _cfg(16, 128, 128, 4, 4), _cfg(32, 64, 256, 4, 4), _cfg(32, 128, 128, 4, 3),
-    _cfg(64, 128, 128, 4, 3), _cfg(128, 64, 128, 8, 3), _cfg(128, 128, 64, 4, 3), _cfg(256, 64, 64, 4, 3),
-    _cfg(256, 64, 128, 8, 3), _cfg(256, 64, 128, 8, 4), _cfg(256, 64, 64, 4, 2), _cfg(256, 32, 64, 4, 3),
-    _cfg(256, 32, 64, 4, 4),
-]
-_REGIMES = ((32, 0, 4), (256, 4, 8), (None, 8, 13))  # (max M bucket, first, end) into the lists
-
-
-def _prune(configs, named_args, **kwargs):
-    m = named_args["M_BUCKET"]
-    for limit, lo, hi in _REGIMES:
-        if limit is None or m <= limit:
-            return configs[lo:hi]
-    return configs
-
-
-def _bench(fn, quantiles=None):
-    # shorter than Triton's default (25 ms warm-up, 100 ms): tuning happens inside training steps
-    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
-
 
 _fwd_tuned = triton.autotune(
     configs=FWD_CONFIGS, key=["M_BUCKET", "N", "K", "HAS_BIAS"], prune_configs_by={"early_config_prune": _prune},
@@ -372,15 +331,8 @@ _grad_tuned = triton.autotune(
     "EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0,
 })(_nvfp4_grad_input_kernel))
 
-# The dequantization kernel is a copy with arithmetic: bigger tiles mean longer contiguous rows of
-# packed bytes and of bf16 output per program.
-DQ_CONFIGS = [triton.Config({"BLOCK_R": r, "BLOCK_K": k}, num_warps=w)
-              for r, k, w in ((16, 64, 4), (32, 128, 4), (64, 128, 4), (32, 256, 4), (64, 256, 8), (128, 128, 8))]
+# The dequantization kernel is a copy with arithmetic (DQ_CONFIGS: bigger tiles, longer contiguous rows).
 _dq_tuned = triton.autotune(configs=DQ_CONFIGS, key=["N", "K"], do_bench=_bench)(_nvfp4_dequant_kernel)
-
-# what runs when the autotuner is bypassed (interpreter, or an explicit `config`)
-INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}
-
 
 # ---------------------------------------------------------------------------------------
 # Host wrappers
