@@ -87,3 +87,32 @@ def test_packed_model_follows_the_bf16_base(smollm2_workspace):
     bytes_q = resident_weight_bytes(quant)["total"]
     bytes_d = resident_weight_bytes(dense)["total"]
     assert bytes_q < 0.7 * bytes_d  # fp32 embeddings dominate the small model's packed size
+
+
+def test_one_gguf_reader_is_shared_within_the_block(monkeypatch):
+    """`shared_gguf_reader`: every `gguf.GGUFReader(path)` inside the block (transformers builds four
+    per load: `benchmarks/gguf_load.py`) gets the one reader of that file; outside it, and after an
+    error inside it, the class is what it was."""
+    gguf = pytest.importorskip("gguf")
+    from qerl_lib.model import shared_gguf_reader, smollm2_gguf_path
+
+    try:
+        path = smollm2_gguf_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    built = []
+    original = gguf.GGUFReader
+
+    def counting(*args, **kwargs):
+        built.append(args[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting)
+    with shared_gguf_reader():
+        first, again = gguf.GGUFReader(path), gguf.GGUFReader(str(path))
+        assert first is again and "tokenizer.ggml.tokens" in first.fields
+    assert gguf.GGUFReader is counting and len(built) == 1
+    with pytest.raises(RuntimeError), shared_gguf_reader():
+        raise RuntimeError("a failed load")
+    assert gguf.GGUFReader is counting
+    assert gguf.GGUFReader(path) is not first and len(built) == 2
