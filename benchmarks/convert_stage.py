@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from qerl_lib.io import atomic_write_text
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -81,9 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             "<data dir>" if a == str(args.data) else a for a in (argv if argv is not None else sys.argv[1:])),
     }
     print(json.dumps(result, indent=1))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    if args.out:  # written whole or not at all
+        atomic_write_text(args.out, json.dumps(result, indent=1) + "\n")
     return 0
 
 

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from qerl_lib.io import atomic_write_text
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
@@ -99,9 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python benchmarks/gguf_load.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     print(json.dumps(result, indent=1))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    if args.out:  # written whole or not at all
+        atomic_write_text(args.out, json.dumps(result, indent=1) + "\n")
     return 0
 
 
