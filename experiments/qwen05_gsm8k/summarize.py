@@ -44,13 +44,6 @@ KEEP = ["reports/steps.csv", "reports/eval.csv", "reports/metrics.json", "report
         "config.yaml", "vllm_engine.json"]
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file and a rename, so a failed run never leaves half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def _csv(path: Path) -> list[dict]:
     if not path.is_file():
         return []
@@ -170,9 +163,9 @@ def reuse_base(base: list[dict], hashes: dict[str, str | None], base_from: Path)
         if arm in have:
             continue
         mine = [r for r in other if r["arm"] == arm]
-        match = [r for r in mine if digest and r.get("checkpoint_hash") == digest]
         if not mine:  # that summary never measured this base either (the first recipe's NF4)
             continue
+        match = [r for r in mine if digest and r.get("checkpoint_hash") == digest]
         if not match:
             found = sorted({str(r.get("checkpoint_hash")) for r in mine})
             raise ValueError(f"{base_from}: no `{arm}` row for checkpoint {digest} (the runs' "
@@ -302,7 +295,9 @@ def main() -> None:
         summary = summarize(out, args.experiment, args.base_from)
     except ValueError as e:
         raise SystemExit(f"summarize: {e}") from None
-    write_atomic(out / "summary.json", json.dumps(summary, indent=1) + "\n")
+    from qerl_lib.io import atomic_write_text  # a failed run never leaves half a summary
+
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
     plot(out, ARMS, args.experiment)
     for r in summary["rows"]:
         print(f"{r['arm']:>14} seed {r['seed']} steps {r['steps']:>2}: greedy {r['greedy_acc']:.3f} ± {r['greedy_se']:.3f}"
