@@ -257,7 +257,8 @@ def test_qwen05_gsm8k_v2_changes_only_the_recipe():
     """Recipe 2 differs from the first recipe only in how it trains, never in the model, data, prompt
     or evaluation, so the first recipe's base evaluations stand for it (`summarize.py --base-from`)."""
     recipe = {("run", "root"), ("rollout", "prompts_per_step"), ("rollout", "batch_size"),
-              ("reward", "format_weight"), ("algo", "mini_batches"), ("optim", "warmup_steps"), ("eval", "base")}
+              ("reward", "format_weight"), ("algo", "mini_batches"), ("optim", "warmup_steps"), ("eval", "base"),
+              ("optim", "micro_batch_size")}
     for path in sorted((ROOT / "experiments" / "qwen05_gsm8k_v2").glob("*.yaml")):
         one, two = _flat_config(ROOT / "experiments" / "qwen05_gsm8k" / path.name), _flat_config(path)
         assert {k for k in one if one[k] != two[k]} == recipe, path.name
@@ -265,3 +266,6 @@ def test_qwen05_gsm8k_v2_changes_only_the_recipe():
                 two[("eval", "base")]) == (16, 0.0, 2, False), path.name
         # the warm-up counts optimizer steps: the same 3 RL steps at two optimizer steps each
         assert two[("optim", "warmup_steps")] == one[("optim", "warmup_steps")] * two[("algo", "mini_batches")]
+        # micro-batches only group the rows whose gradients accumulate; the loss normalisers are the
+        # whole mini-batch's (tests/test_micro_batching.py), so 16 rows at a time is the same update
+        assert (one[("optim", "micro_batch_size")], two[("optim", "micro_batch_size")]) == (8, 16), path.name
