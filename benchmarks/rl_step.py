@@ -181,7 +181,8 @@ def start_engine(ckpt: Path, quant: str, cfg, rows: int):
                       dense_above=dense_above_for(cfg, ckpt), lora_dual_stream=rc.vllm_lora_dual_stream,
                       # the config is shared by the arms; the arm's format decides whether the GEMM applies
                       gemv_rows=gemv_rows_for(cfg, quant), gemv_kernel=rc.vllm_gemv_kernel,
-                      gemv_pdl=rc.vllm_gemv_pdl, engine_kwargs=kw)
+                      gemv_pdl=rc.vllm_gemv_pdl,
+                      gemv_repack=rc.vllm_gemv_repack, engine_kwargs=kw)
 
 
 def generate_rows(engine, prompts: list[list[int]], seeds: list[int], lengths: list[int]) -> list:

@@ -166,6 +166,14 @@ class RolloutConfig(_Section):
     own dependents launch early; results are the same (`tests/test_nvfp4_gemv_cuda.py`, `-m gpu`). Faster
     end to end at batches 1 and 8 (`docs/gpu.md`, `benchmarks/results/rollout_throughput_pdl.json`).
     Only the `cuda` kernel reads it."""
+    vllm_gemv_repack: bool = True
+    """Give the CUDA decode GEMM its own copy of the codes in its repacked layout
+    (`nvfp4_gemv_cuda.repack_codes`, `QERL_VLLM_GEMV_REPACK`): the same bytes reordered so that a thread's
+    decode needs fewer integer instructions; results are bit-identical (`tests/test_nvfp4_gemv_cuda.py`,
+    `-m gpu`). Measured on the H200 (7B shape, all linears of a decode step at 1 row): 1.873 against
+    2.018 ms with PDL, 2.187 against 2.342 ms with LoRA; end to end at batch 1, 294.3 decode tok/s
+    (`docs/gpu.md`, `benchmarks/results/nvfp4_gemv.json`, `rollout_throughput_repacked.json`). Only the
+    `cuda` kernel at up to 16 rows reads it; no extra memory (it replaces the plain copy)."""
 
 
 class RewardConfig(_Section):

@@ -92,7 +92,7 @@ def vllm_command(cfg, checkpoint: Path, host: str, port: int) -> tuple[list[str]
     if rc.vllm_lora_dual_stream:
         env["VLLM_LORA_ENABLE_DUAL_STREAM"] = "1"
     gemv_rows = gemv_rows_for(cfg)
-    for name, value in gemv_env(gemv_rows, rc.vllm_gemv_kernel, rc.vllm_gemv_pdl).items():
+    for name, value in gemv_env(gemv_rows, rc.vllm_gemv_kernel, rc.vllm_gemv_pdl, rc.vllm_gemv_repack).items():
         env.pop(name, None)
         if value is not None:
             env[name] = value

@@ -216,7 +216,7 @@ class VLLMEngine:
     (`qerl_lib.kernels.nvfp4_gemv_cuda` for steps of at most 16 rows) or `auto` (`cuda` when it builds
     in the worker, else none: `qerl_lib.rollout.vllm_gemv.resolve_kernel`); `gemv_pdl`: the CUDA kernel as a
     programmatic dependent launch (`rollout.vllm_gemv_pdl`); `gemv_repack`: the CUDA kernel on repacked
-    codes (`vllm_gemv.GEMV_REPACK_ENV`, a benchmark switch). `tensor_parallel_size`: GPUs the engine spans
+    codes (`rollout.vllm_gemv_repack`, `vllm_gemv.GEMV_REPACK_ENV`). `tensor_parallel_size`: GPUs the engine spans
     (vLLM's own tensor parallelism over NCCL, NVLink multicast off); every worker then holds the
     same norms, so AQN and trained norms are written by each. `quantization`: vLLM's in-flight
     quantization of a 16-bit checkpoint (`vllm_quantization`: `bitsandbytes` for NF4), or None.
