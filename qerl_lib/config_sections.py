@@ -171,8 +171,8 @@ class RolloutConfig(_Section):
     (`nvfp4_gemv_cuda.repack_codes`, `QERL_VLLM_GEMV_REPACK`): the same bytes reordered so that a thread's
     decode needs fewer integer instructions; results are bit-identical (`tests/test_nvfp4_gemv_cuda.py`,
     `-m gpu`). Measured on the H200 (7B shape, all linears of a decode step at 1 row): 1.873 against
-    2.018 ms with PDL, 2.187 against 2.342 ms with LoRA; end to end at batch 1, 294.3 decode tok/s
-    (`docs/gpu.md`, `benchmarks/results/nvfp4_gemv.json`, `rollout_throughput_repacked.json`). Only the
+    2.040 ms (neither with PDL), 2.187 against 2.342 ms with LoRA + PDL; end to end at batch 1, 294.3 decode tok/s
+    (`docs/gpu.md`, `benchmarks/results/nvfp4_gemv_session16.json`, `rollout_throughput_repacked.json`). Only the
     `cuda` kernel at up to 16 rows reads it; no extra memory (it replaces the plain copy)."""
 
 

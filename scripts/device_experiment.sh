@@ -227,14 +227,18 @@ EOF
 #   2  carry .device/vllm/b .device/exp/g     bash .device/vllm/b/install.sh && bash scripts/device_experiment.sh keep-w
 #        (not p0 as well: with the repository's own files that passed the 64 MiB a call carries, session 11)
 #   3-12 carry .device/qwen05/pN, N = 0..9     bash scripts/device_experiment.sh qwen05
-#        (the last piece joins and checks the GGUF; then `qwen-convert` converts it once to BF16 and NVFP4)
-#   11, 12 (no carry)                          bash scripts/device_experiment.sh qwen-arms
-#        (runs the arm:seed:base-eval list QWEN_RUNS, QWEN_PARALLEL (4) at a time with OMP_NUM_THREADS=3,
-#        until ARMS_DEADLINE (epoch s) or ARMS_TIMEOUT (500 s) after its start; the next call resumes them)
-# Calls 11-12 (and qwen-convert) may run from a frozen copy of the code: `snap` here writes .device/snap.tgz
-# (qerl_lib, flows, tasks, scripts, experiments/$QWEN_EXPERIMENT); carry it with call 1, and `keep-w` unpacks it
-# into /tmp/qerl-exp/src, so edits made here meanwhile cannot change a run between its two calls.
-#        (runs every arm x seed of QWEN_RUNS side by side; a second call resumes them)
+#        (the last piece joins the GGUF and checks its sha256)
+#   12, same call, from the frozen code:     cd /tmp/qerl-exp/src && bash scripts/device_experiment.sh qwen-convert
+#        (once: BF16, NVFP4, NF4; 69 s in session 16), then qwen-start and qwen-wait (below)
+#   13-  (no carry)                            qwen-wait until the runs end, one call after another
+# qwen-start runs qwen-arms in its own process session: the arm:seed:base-eval list QWEN_RUNS, QWEN_PARALLEL (4)
+# at a time with OMP_NUM_THREADS=3, every run stopped at ARMS_DEADLINE (epoch s; else ARMS_TIMEOUT, 500 s, after
+# its start). Set the deadline from the device time left (lease.budget_left_s of the call before, less about
+# 90 s for the last archive): a run cut before its evaluation is lost with the machine.
+# The run calls use a frozen copy of the code: `snap` here writes .device/snap.tgz (qerl_lib, flows, tasks,
+# scripts, experiments/$QWEN_EXPERIMENT); carry it with call 1, and `keep-w` unpacks it into /tmp/qerl-exp/src,
+# so edits made here meanwhile cannot change a run between its calls. A run stopped at its deadline resumes
+# with another qwen-arms call while the machine still holds its workspace.
 # Here: `pack-qwen05` (above) and `GSM8K_DIR=... pack-w` (llm-compressor's wheels and GSM8K's two files).
 QWEN_EXPERIMENT=${QWEN_EXPERIMENT:-qwen05_gsm8k}  # the folder of experiments/ whose ARM.yaml the runs use
 QWEN_RUNS=${QWEN_RUNS:-"bf16:0:true nvfp4:0:true nvfp4_aqn:0:false bf16_aqn:0:false nvfp4_aqn_rel:0:false
