@@ -28,6 +28,11 @@
 #   scripts/device_vllm.sh kernel-bound benchmarks/nvfp4_gemv_bound.py (the GEMV's reads and arithmetic apart,
 #                                       both code layouts) -> $OUT/nvfp4_gemv_bound.json; the next call after
 #                                       `kernels` (the built extension is cached in /tmp/qerl-cache)
+#   scripts/device_vllm.sh kernel-ncu [GROUPS] [CONFIG]
+#                                       Nsight Compute (`--set full`) on one GEMV call of each group (default
+#                                       gate_up,down; CONFIG the GEMV's JSON config, default the repacked codes):
+#                                       $OUT/ncu_<group>.ncu-rep, its details page as text and its SASS source
+#                                       page (per-instruction stall samples) as CSV (~2 min with the build)
 #   scripts/device_vllm.sh train-memory the chunked-MLP memory arms of benchmarks/train_step.py (micro-batch 2
 #                                       and 8, offload in both arms) -> $OUT/train_step_mlpchunk.json (~3-4 min)
 #   scripts/device_vllm.sh rl-step      benchmarks/rl_step.py (BF16 vs NVFP4 (+ AQN), 7B shape) -> $OUT/rl_step.json
@@ -196,6 +201,19 @@ EOF
   kernel-bound)
     kernel_env
     timeout 300 python3 benchmarks/nvfp4_gemv_bound.py --out "$OUT/nvfp4_gemv_bound.json" 2>&1 | tee "$OUT/nvfp4_gemv_bound.log" | tail -20
+    ;;
+  kernel-ncu)
+    kernel_env
+    groups=${1:-gate_up,down}
+    config=${2:-'{"repacked": true}'}
+    python3 -c "from qerl_lib.kernels import nvfp4_gemv_cuda as C; C.load_extension()" || exit 4  # built outside the profiler
+    for g in ${groups//,/ }; do
+      timeout 200 ncu -f -k regex:gemv_kernel --launch-count 1 --set full --import-source yes -o "$OUT/ncu_$g" \
+        python3 benchmarks/nvfp4_gemv_bound.py --once --groups "$g" --config "$config" 2>&1 | tail -5
+      ncu -i "$OUT/ncu_$g.ncu-rep" --page details > "$OUT/ncu_$g.txt" 2>&1
+      ncu -i "$OUT/ncu_$g.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_${g}_sass.csv" 2>&1
+      grep -E "Duration|Registers Per|Achieved Active Warps|Issued Warp|Eligible Warps" "$OUT/ncu_$g.txt" | head -8
+    done
     ;;
   train-memory)
     gpu_env
