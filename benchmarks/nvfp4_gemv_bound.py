@@ -17,6 +17,9 @@ weights, replayed from one CUDA graph, as there), in ms per decode step:
   arithmetic side.
 - `gemv_repacked` / `gemv_repacked_l2_resident`: the same two on the codes in the kernel's repacked
   layout (`repack_codes`, config `repacked`), which halves the decode's integer instructions.
+- `gemv_ring` / `gemv_ring_l2_resident`: the repacked kernel with config `ring`: U chunks' loads in
+  flight all the time (a slot is refilled as soon as its chunk is computed) instead of round by round.
+  Checked bit-equal to `gemv_repacked` first.
 
 If `gemv` sits near `gemv_l2_resident`, the kernel is bound by its instructions; near `read_pattern`,
 by its access pattern; `read_contiguous` is the bound any layout could reach. Shares of the
@@ -130,6 +133,9 @@ void contiguous(torch::Tensor codes, torch::Tensor scales, int64_t blocks, torch
 """
 
 
+RING = {"repacked": True, "ring": True}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/nvfp4_gemv_bound.json"))
@@ -193,7 +199,17 @@ def main() -> None:
             "gemv_repacked": lambda: [C.nvfp4_gemv(x, p, s, gs, config={"repacked": True}) for p, s in ls_r],
             "gemv_repacked_l2_resident": lambda: [C.nvfp4_gemv(x, p, s, gs, config={"repacked": True})
                                                   for p, s in one_r],
+            "gemv_ring": lambda: [C.nvfp4_gemv(x, p, s, gs, config=RING) for p, s in ls_r],
+            "gemv_ring_l2_resident": lambda: [C.nvfp4_gemv(x, p, s, gs, config=RING) for p, s in one_r],
         }
+        # at one WK the ring computes the same chunks in the same order: the same bits (its own plan may pick
+        # another WK, its registers being more: gate|up WK 8 against 2 at 118 / 103 registers, another sum order)
+        pin = {"WR": 1, "WK": C.plan(1, n, k, sms, C.kernel_regs(True, 1, True, True))["WK"]}
+        for p, s in ls_r[:2]:
+            a = C.nvfp4_gemv(x, p, s, gs, config={"repacked": True, **pin})
+            b = C.nvfp4_gemv(x, p, s, gs, config={**RING, **pin})
+            if not torch.equal(a, b):
+                raise SystemExit(f"{g}: ring and round-by-round differ by up to {(a.float() - b.float()).abs().max()}")
         nbytes = args.layers * (n * k // 2 + n * k // 16)
         step_bytes += nbytes
         row = {"N": n, "K": k, "plan": f"WR{plan['WR']}xWK{wk}", "bytes_per_step": nbytes, "ms": {}, "share": {}}

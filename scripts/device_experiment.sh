@@ -235,6 +235,8 @@ EOF
 # at a time with OMP_NUM_THREADS=3, every run stopped at ARMS_DEADLINE (epoch s; else ARMS_TIMEOUT, 500 s, after
 # its start). Set the deadline from the device time left (lease.budget_left_s of the call before, less about
 # 90 s for the last archive): a run cut before its evaluation is lost with the machine.
+# Session 20 (H100, budget 1470 s after call 1): calls 2-11 took 80 s of it, ARMS_DEADLINE=T0+1170 and the
+# waits to T0+1225; two recipe-2 runs ended at 943 and 989 s (766-788 s on the H200), 158 s were left.
 # The run calls use a frozen copy of the code: `snap` here writes .device/snap.tgz (qerl_lib, flows, tasks,
 # scripts, experiments/$QWEN_EXPERIMENT); carry it with call 1, and `keep-w` unpacks it into /tmp/qerl-exp/src,
 # so edits made here meanwhile cannot change a run between its calls. A run stopped at its deadline resumes

@@ -32,7 +32,8 @@
 #                                       Nsight Compute (`--set full`) on one GEMV call of each group (default
 #                                       gate_up,down; CONFIG the GEMV's JSON config, default the repacked codes):
 #                                       $OUT/ncu_<group>.ncu-rep, its details page as text and its SASS source
-#                                       page (per-instruction stall samples) as CSV (~2 min with the build)
+#                                       page (per-instruction stall samples) as CSV (~2 min with the build), and
+#                                       benchmarks/ncu_stalls.py's summary of it -> $OUT/ncu_stalls.json
 #   scripts/device_vllm.sh train-memory the chunked-MLP memory arms of benchmarks/train_step.py (micro-batch 2
 #                                       and 8, offload in both arms) -> $OUT/train_step_mlpchunk.json (~3-4 min)
 #   scripts/device_vllm.sh rl-step      benchmarks/rl_step.py (BF16 vs NVFP4 (+ AQN), 7B shape) -> $OUT/rl_step.json
@@ -214,6 +215,7 @@ EOF
       ncu -i "$OUT/ncu_$g.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu_${g}_sass.csv" 2>&1
       grep -E "Duration|Registers Per|Achieved Active Warps|Issued Warp|Eligible Warps" "$OUT/ncu_$g.txt" | head -8
     done
+    python3 benchmarks/ncu_stalls.py "$OUT"/ncu_*_sass.csv --out "$OUT/ncu_stalls.json"  # why the warps wait
     ;;
   train-memory)
     gpu_env

@@ -280,8 +280,8 @@ def test_gpu_configs_agree():
 @needs_cuda
 @pytest.mark.parametrize("m", [1, 5, 8, 11, 16])
 def test_gpu_repacked_equals_compressed_tensors(m):
-    """The kernel on `repack_codes(packed)` with config repacked=True decodes the same bits as on `packed`
-    and runs the same MMAs in the same order: equal outputs bit for bit, at every WK (tail chunks, a
+    """The kernel on `repack_codes(packed)` with config repacked=True (and with ring=True) decodes the same
+    bits as on `packed` and runs the same MMAs in the same order: equal outputs bit for bit, at every WK (tail chunks, a
     partial last chunk), misaligned code rows, fp16, with and without LoRA."""
     gen = torch.Generator().manual_seed(100 + m)
     for n, k, wk, dtype in ((4608, 3584, 4, torch.bfloat16), (3584, 18944, 8, torch.bfloat16),
@@ -295,6 +295,8 @@ def test_gpu_repacked_equals_compressed_tensors(m):
             y = C.nvfp4_gemv(x, p, s, gs, None, *lora, config={"WR": 1, "WK": wk})
             y_r = C.nvfp4_gemv(x, r, s, gs, None, *lora, config={"WR": 1, "WK": wk, "repacked": True})
             assert torch.equal(y, y_r), (m, n, k, wk, bool(lora))
+            y_ring = C.nvfp4_gemv(x, r, s, gs, None, *lora, config={"WR": 1, "WK": wk, "repacked": True, "ring": True})
+            assert torch.equal(y, y_ring), ("ring", m, n, k, wk, bool(lora))
     # code rows 8-byte but not 16-byte aligned (the kernel's unaligned loads), and the plan's own config
     p, s, gs = (t.cuda() for t in make_weight(64, 1024, "random", gen))
     wide = torch.zeros(64, 512 + 8, dtype=torch.uint8, device="cuda")
@@ -304,6 +306,7 @@ def test_gpu_repacked_equals_compressed_tensors(m):
     x = torch.randn(m, 1024, generator=gen).to("cuda", torch.bfloat16)
     y = C.nvfp4_gemv(x, wide[:, :512], s, gs)
     assert torch.equal(y, C.nvfp4_gemv(x, wide_r[:, :512], s, gs, config={"repacked": True}))
+    assert torch.equal(y, C.nvfp4_gemv(x, wide_r[:, :512], s, gs, config={"repacked": True, "ring": True}))
 
 
 @gpu

@@ -78,7 +78,9 @@ def test_pipes_and_cycle_bound():
 
 def test_variants_from_mangled_names():
     assert S.variant_of("_ZN2qg11gemv_kernelILb0ELi2ELb1ELb1EEEvNS_6ParamsE") == \
-        {"bf16": False, "mt": 2, "aligned": True, "repacked": True}
+        {"bf16": False, "mt": 2, "aligned": True, "repacked": True, "ring": False}
+    assert S.variant_of("_ZN2qg11gemv_kernelILb1ELi1ELb1ELb1ELb1EEEvNS_6ParamsE") == \
+        {"bf16": True, "mt": 1, "aligned": True, "repacked": True, "ring": True}
     assert S.variant_of("_ZN2qg18lora_shrink_kernelILb1ELi8EEEvNS_12ShrinkParamsE") is None
     rows = S.analyse(S.parse_sass(LISTING))
     assert len(rows) == 1 and rows[0]["mma_steps"] == 1 and rows[0]["per_step"]["alu"] == 4
@@ -145,7 +147,12 @@ def test_real_kernel_instruction_mix(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["nvfp4_gemv_sass.py", "--out", str(out)])
     S.main()
     res = json.loads(out.read_text())
-    rows = {(r["bf16"], r["mt"], r["aligned"], r["repacked"]): r for r in res["variants"]}
+    rings = [r for r in res["variants"] if r["ring"]]
+    # the ring (repacked codes only): whole chunks between its refills, no spills, at most 128 registers
+    assert len(rings) == 8 and all(r["repacked"] for r in rings)
+    for r in rings:
+        assert r["mma_steps"] % 8 == 0 and r["spill_stores"] == 0 and r["registers"] <= 128, r
+    rows = {(r["bf16"], r["mt"], r["aligned"], r["repacked"]): r for r in res["variants"] if not r["ring"]}
     assert len(rows) == 16  # bf16/fp16 x 1/2 n-tiles x aligned or not x two code layouts
     for (bf16, mt, aligned, repacked), r in rows.items():
         # the full round: U = 4 chunks of 8 steps at one n-tile, 2 at two; loop control found around it

@@ -155,11 +155,11 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[idx]
 
 
-def kernel_regs(bf16: bool, mt: int, aligned: bool, repacked: bool = False) -> int:
+def kernel_regs(bf16: bool, mt: int, aligned: bool, repacked: bool = False, ring: bool = False) -> int:
     """Registers per thread of a compiled GEMV variant (the occupancy input of `plan`)."""
-    key = (bf16, mt, aligned, repacked)
+    key = (bf16, mt, aligned, repacked, repacked and ring)
     if key not in _REGS:
-        _REGS[key] = int(load_extension().kernel_regs(bf16, mt, aligned, repacked))
+        _REGS[key] = int(load_extension().kernel_regs(bf16, mt, aligned, repacked, repacked and ring))
     return _REGS[key]
 
 
@@ -282,7 +282,9 @@ def nvfp4_gemv(
     - lora_index: integer [>= M]: row m gets the LoRA term only if lora_index[m] == lora_slot.
     `config` overrides `plan`: WR (row tiles per block), WK (warps splitting K), pdl (bool); and
     `repacked` (bool, default false) says that `packed` holds `repack_codes(packed)` (same results bit for
-    bit, fewer decode instructions; not yet timed on the GPU: docs/kernels.md).
+    bit, fewer decode instructions; not yet timed on the GPU: docs/kernels.md). `ring` (bool, default false,
+    repacked only) keeps the loads of U chunks in flight all the time instead of round by round (same
+    results bit for bit at the same WK; csrc/nvfp4_gemv.cu `ring_loop`; measured slower, docs/gpu.md).
     """
     args = check_args("nvfp4_gemv_cuda", x, packed, scale, global_scale, bias, lora_a, lora_b, lora_index,
                       max_rows=MAX_ROWS, max_slices=MAX_SLICES, max_rank=MAX_RANK)
@@ -320,9 +322,10 @@ def nvfp4_gemv(
     with torch.cuda.device(x.device):
         ext = load_extension()
         repacked = bool((config or {}).get("repacked", False))
+        ring = repacked and bool((config or {}).get("ring", False))
         if config is None or "WK" not in config:
             cfg = plan(m, n, k, _num_sms(x.device),
-                       kernel_regs(x.dtype == torch.bfloat16, 1 if m <= 8 else 2, aligned, repacked))
+                       kernel_regs(x.dtype == torch.bfloat16, 1 if m <= 8 else 2, aligned, repacked, ring))
         else:
             cfg = {}
         cfg.update(config or {})
@@ -331,7 +334,7 @@ def nvfp4_gemv(
             raise ValueError(f"config WR={wr} x WK={wk} must be 1..{MAX_WARPS} warps")
         pdl = bool(cfg.get("pdl", os.environ.get(PDL_ENV, "") not in ("", "0")))
         y = ext.gemv(x2, packed, scale, gs, bias, a_list, b_list, float(lora_scale), idx, int(lora_slot),
-                     wr, wk, aligned, pdl, repacked)
+                     wr, wk, aligned, pdl, repacked, ring)
     return y.reshape(*lead, n)
 
 

@@ -118,7 +118,48 @@ __device__ __forceinline__ void iteration(float (&acc)[MT][4], const Lane& l, in
   }
 }
 
-template <bool BF16, int MT, bool ALIGNED, bool REPACKED>
+// Chunk c's codes and scales of rows g and g + 8 (nothing past K: the slot then keeps stale data that is
+// never used, since the loop stops at nc).
+template <bool ALIGNED>
+__device__ __forceinline__ void load_rows(RowChunk& a, RowChunk& b, const Lane& l, int c, int nc, int nfull,
+                                          int groups) {
+  if (c < nfull) {
+    load_row_chunk<ALIGNED, true>(a, l.cp0, l.sp0, c, groups, l.t);
+    load_row_chunk<ALIGNED, true>(b, l.cp1, l.sp1, c, groups, l.t);
+  } else if (c < nc) {
+    load_row_chunk<ALIGNED, false>(a, l.cp0, l.sp0, c, groups, l.t);
+    load_row_chunk<ALIGNED, false>(b, l.cp1, l.sp1, c, groups, l.t);
+  }
+}
+
+// The ring (config `ring`): U slots of chunks in flight all the time. `iteration` issues a round's U loads,
+// then computes them, so every round waits one whole memory latency with nothing of its own to issue (the
+// profile's long_sb stalls on the first decode instruction of a round, docs/gpu.md session 20). Here slot u
+// is refilled with chunk c + U * step as soon as chunk c is computed, so a load has U - 1 chunks of the
+// warp's own arithmetic to hide behind. Same chunk order, so the same sums bit for bit at the same WK.
+// Measured slower (H100, q|k|v +5 %, o +16 %, at the same occupancy; docs/gpu.md session 20): its
+// per-chunk branches cost more than the latency it hides, and it takes 118 registers, not 103. Off by default.
+template <bool BF16, int MT, bool ALIGNED, bool REPACKED, int U>
+__device__ __forceinline__ void ring_loop(float (&acc)[MT][4], const Lane& l, int step, int nc, int nfull,
+                                          int groups, int K) {
+  RowChunk ra[U], rb[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) load_rows<ALIGNED>(ra[u], rb[u], l, l.wk + u * step, nc, nfull, groups);
+  uint4 xa[2][4], xb[2][4];
+  load_x<MT == 2, false>(xa[0], xb[0], l, l.wk, nfull, K);
+  for (int cb = l.wk; cb < nc; cb += U * step) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = cb + u * step;
+      if (c >= nc) break;
+      if (c + step < nc) load_x<MT == 2, false>(xa[(u + 1) & 1], xb[(u + 1) & 1], l, c + step, nfull, K);
+      chunk_mma<BF16, MT, REPACKED>(acc, ra[u], rb[u], xa[u & 1], xb[u & 1]);
+      load_rows<ALIGNED>(ra[u], rb[u], l, c + U * step, nc, nfull, groups);
+    }
+  }
+}
+
+template <bool BF16, int MT, bool ALIGNED, bool REPACKED, bool RING>
 __global__ void __launch_bounds__(32 * kMaxWarps) gemv_kernel(const Params p) {
   using T = std::conditional_t<BF16, __nv_bfloat16, __half>;
   extern __shared__ float red[];  // [warp][MT][4 registers][32 lanes], then LoRA t [M][t_stride]
@@ -142,11 +183,15 @@ __global__ void __launch_bounds__(32 * kMaxWarps) gemv_kernel(const Params p) {
     }
     griddep_wait();
   }
-  for (int cb = l.wk; cb < nc; cb += p.wk * U) {
-    if (cb + (U - 1) * p.wk < nfull) {
-      iteration<BF16, MT, ALIGNED, REPACKED, true, U>(acc, l, cb, p.wk, nc, nfull, groups, p.K);
-    } else {
-      iteration<BF16, MT, ALIGNED, REPACKED, false, U>(acc, l, cb, p.wk, nc, nfull, groups, p.K);
+  if constexpr (RING) {
+    ring_loop<BF16, MT, ALIGNED, REPACKED, U>(acc, l, p.wk, nc, nfull, groups, p.K);
+  } else {
+    for (int cb = l.wk; cb < nc; cb += p.wk * U) {
+      if (cb + (U - 1) * p.wk < nfull) {
+        iteration<BF16, MT, ALIGNED, REPACKED, true, U>(acc, l, cb, p.wk, nc, nfull, groups, p.K);
+      } else {
+        iteration<BF16, MT, ALIGNED, REPACKED, false, U>(acc, l, cb, p.wk, nc, nfull, groups, p.K);
+      }
     }
   }
 
@@ -270,13 +315,13 @@ static int launch(K kernel, const P& p, dim3 grid, dim3 block, size_t smem, bool
   return err == cudaSuccess ? static_cast<int>(cudaGetLastError()) : static_cast<int>(err);
 }
 
-template <bool BF16, int MT, bool ALIGNED, bool REPACKED>
+template <bool BF16, int MT, bool ALIGNED, bool REPACKED, bool RING>
 static int launch_t(const Params& p, bool pdl, void* stream) {
   const int warps = p.wr * p.wk;
   const int tiles = (p.N + 15) / 16;
   const dim3 grid((tiles + p.wr - 1) / p.wr), block(32 * warps);
   const size_t smem = sizeof(float) * (warps * MT * 4 * 32 + (p.t != nullptr ? p.M * p.t_stride : 0));
-  return launch(gemv_kernel<BF16, MT, ALIGNED, REPACKED>, p, grid, block, smem, pdl, stream);
+  return launch(gemv_kernel<BF16, MT, ALIGNED, REPACKED, RING>, p, grid, block, smem, pdl, stream);
 }
 
 int launch_gemv(const Params& p, bool bf16, bool aligned, bool pdl, void* stream) {
@@ -287,7 +332,9 @@ int launch_gemv(const Params& p, bool bf16, bool aligned, bool pdl, void* stream
   const bool two = p.M > 8;
 #define QG_CASE(B, MT_, A)                                                                                   \
   if (bf16 == B && (MT_ == 2) == two && aligned == A)                                                        \
-    return p.repacked ? launch_t<B, MT_, A, true>(p, pdl, stream) : launch_t<B, MT_, A, false>(p, pdl, stream);
+    return p.repacked ? (p.ring ? launch_t<B, MT_, A, true, true>(p, pdl, stream)                               \
+                               : launch_t<B, MT_, A, true, false>(p, pdl, stream))                             \
+                      : launch_t<B, MT_, A, false, false>(p, pdl, stream);
   QG_CASE(true, 1, true) QG_CASE(true, 1, false) QG_CASE(true, 2, true) QG_CASE(true, 2, false)
   QG_CASE(false, 1, true) QG_CASE(false, 1, false) QG_CASE(false, 2, true) QG_CASE(false, 2, false)
 #undef QG_CASE
@@ -308,13 +355,14 @@ int launch_lora_shrink(const ShrinkParams& p, bool bf16, int slices, void* strea
                  : launch(lora_shrink_kernel<false, 8>, p, grid, block, 0, false, stream);
 }
 
-int gemv_kernel_regs(bool bf16, int mt, bool aligned, bool repacked) {
+int gemv_kernel_regs(bool bf16, int mt, bool aligned, bool repacked, bool ring) {
   cudaFuncAttributes a;
   cudaError_t err = cudaErrorInvalidValue;
 #define QG_CASE(B, MT_, A)                                                                                   \
   if (bf16 == B && mt == MT_ && aligned == A)                                                                \
-    err = repacked ? cudaFuncGetAttributes(&a, gemv_kernel<B, MT_, A, true>)                                 \
-                   : cudaFuncGetAttributes(&a, gemv_kernel<B, MT_, A, false>);
+    err = repacked ? (ring ? cudaFuncGetAttributes(&a, gemv_kernel<B, MT_, A, true, true>)                   \
+                           : cudaFuncGetAttributes(&a, gemv_kernel<B, MT_, A, true, false>))                 \
+                   : cudaFuncGetAttributes(&a, gemv_kernel<B, MT_, A, false, false>);
   QG_CASE(true, 1, true) QG_CASE(true, 1, false) QG_CASE(true, 2, true) QG_CASE(true, 2, false)
   QG_CASE(false, 1, true) QG_CASE(false, 1, false) QG_CASE(false, 2, true) QG_CASE(false, 2, false)
 #undef QG_CASE

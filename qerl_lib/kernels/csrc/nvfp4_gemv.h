@@ -30,6 +30,7 @@ struct Params {
   int wr, wk;              // row tiles (16 rows) per block, warps splitting K per row tile
   int wait_x;              // launched as a PDL secondary of the kernel that wrote x: wait before reading x
   int repacked;            // codes in the repacked layout (nvfp4_gemv.cuh repack_word), not compressed-tensors'
+  int ring;                // repacked only: keep U chunks' loads in flight all the time (nvfp4_gemv.cu ring_loop)
 };
 
 // t [ks, M, S * rank]: partial sums of lora_scale * mask[m] * x @ A_s.T over K slices of `kslice` k (a
@@ -49,7 +50,7 @@ struct ShrinkParams {
 // Host launchers (nvfp4_gemv.cu); return a cudaError_t as int (0: launched).
 int launch_gemv(const Params& p, bool bf16, bool aligned, bool pdl, void* stream);
 int launch_lora_shrink(const ShrinkParams& p, bool bf16, int slices, void* stream);
-// Registers per thread of the GEMV kernel of (bf16, mt, aligned, repacked) (cudaFuncGetAttributes), or -1.
-int gemv_kernel_regs(bool bf16, int mt, bool aligned, bool repacked);
+// Registers per thread of the GEMV kernel of (bf16, mt, aligned, repacked, ring) (cudaFuncGetAttributes), or -1.
+int gemv_kernel_regs(bool bf16, int mt, bool aligned, bool repacked, bool ring = false);
 
 }  // namespace qg
