@@ -76,6 +76,14 @@ class ModelConfig(_Section):
     to bitsandbytes NF4 with double quantization when loaded; needs the `nf4` extra. The vLLM
     backend quantizes the same checkpoint the same way as it loads it (`quantization=bitsandbytes`:
     NF4, block 64, double quantization), so rollouts see the trainer's weights)."""
+    nvfp4_observer: Literal["memoryless_minmax", "memoryless_mse", "nvfp4_expanded_mse"] = "memoryless_minmax"
+    """How `convert` picks each 16-weight group's FP8 scale (llm-compressor's weight observer;
+    `quant: nvfp4` only). `memoryless_minmax` (llm-compressor's NVFP4A16 default, what QeRL uses):
+    the group's largest magnitude maps to FP4's 6. `memoryless_mse`: a grid search of smaller ranges
+    (down to 0.8 of it) for the least quantization error. `nvfp4_expanded_mse`: the same search from
+    1.8 times down to 0.8 times the range, so the group maximum may round down into the FP8 scale's
+    grid (llm-compressor's NVFP4-tuned search, also called `fouroversix`). The checkpoint format is the
+    same; only the codes and scales change (and the checkpoint hash)."""
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype of activations and dequantized weights; `auto` is float32 on CPU (these CPUs
     have no fast bf16) and bfloat16 on CUDA."""

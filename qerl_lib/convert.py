@@ -29,6 +29,7 @@ from qerl_lib.io import atomic_dir, atomic_write_json
 log = logging.getLogger(__name__)
 
 RECIPE = {"targets": "Linear", "scheme": "NVFP4A16", "ignore": ["lm_head"]}
+DEFAULT_OBSERVER = "memoryless_minmax"  # what the NVFP4A16 preset's weights use when no observer is named
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -87,15 +88,16 @@ def quantization_errors(base_dir: Path, quant_dir: Path) -> dict[str, float]:
     return errors
 
 
-def convert(base_dir: Path, out_dir: Path, quant: str) -> dict:
+def convert(base_dir: Path, out_dir: Path, quant: str, observer: str = DEFAULT_OBSERVER) -> dict:
     """Write the checkpoint of `quant` from the plain HF `base_dir`: "nvfp4" the compressed-tensors
-    NVFP4A16 checkpoint, "bf16" and "nf4" a copy (NF4 quantizes when it loads, as QLoRA does)."""
+    NVFP4A16 checkpoint (group scales chosen by llm-compressor's weight `observer`, config
+    `model.nvfp4_observer`), "bf16" and "nf4" a copy (NF4 quantizes when it loads, as QLoRA does)."""
     base_dir, out_dir = Path(base_dir), Path(out_dir)
     if not (base_dir / "config.json").is_file():
         raise FileNotFoundError(f"base model directory {base_dir} has no config.json")
     with atomic_dir(out_dir) as tmp:
         if quant == "nvfp4":
-            _nvfp4_oneshot(base_dir, tmp)
+            _nvfp4_oneshot(base_dir, tmp, observer)
         elif quant in ("bf16", "nf4"):
             for p in base_dir.iterdir():
                 if p.is_file():
@@ -106,7 +108,7 @@ def convert(base_dir: Path, out_dir: Path, quant: str) -> dict:
         before, after = dir_bytes(base_dir), dir_bytes(tmp)
         report = {
             "quant": quant,
-            "recipe": RECIPE if quant == "nvfp4" else None,
+            "recipe": {**RECIPE, "observer": observer} if quant == "nvfp4" else None,
             "bytes_before": before,
             "bytes_after": after,
             "size_ratio": after / before,
@@ -149,22 +151,36 @@ def _quiet_llmcompressor() -> Iterator[None]:
         logger.enable("llmcompressor")
 
 
-def _nvfp4_oneshot(base_dir: Path, out_dir: Path) -> None:
+def _nvfp4_oneshot(base_dir: Path, out_dir: Path, observer: str = DEFAULT_OBSERVER) -> None:
     with _quiet_llmcompressor():
-        _nvfp4_oneshot_call(base_dir, out_dir)
+        _nvfp4_oneshot_call(base_dir, out_dir, observer)
 
 
-def _nvfp4_oneshot_call(base_dir: Path, out_dir: Path) -> None:
-    from llmcompressor import oneshot
+def nvfp4_recipe(observer: str = DEFAULT_OBSERVER, targets: str | list[str] = RECIPE["targets"]):
+    """llm-compressor's modifier for RECIPE; another weight `observer` replaces the preset's
+    (the scheme spelled out as a config group: a preset name takes no observer). `targets` other
+    than "Linear" (e.g. a `re:` pattern of module names) quantize only those modules: for measuring."""
     from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    if observer == DEFAULT_OBSERVER:
+        return QuantizationModifier(**{**RECIPE, "targets": targets})
+    from compressed_tensors.quantization import preset_name_to_scheme
+
+    scheme = preset_name_to_scheme(RECIPE["scheme"], [targets] if isinstance(targets, str) else list(targets))
+    scheme.weights.observer = observer
+    return QuantizationModifier(config_groups={"group_0": scheme}, ignore=RECIPE["ignore"])
+
+
+def _nvfp4_oneshot_call(base_dir: Path, out_dir: Path, observer: str = DEFAULT_OBSERVER) -> None:
+    from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from qerl_lib.model import drop_environment_keys
 
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
-    recipe = QuantizationModifier(**RECIPE)
-    # Data-free: NVFP4A16 needs no calibration set (weights-only, min-max observer).
+    recipe = nvfp4_recipe(observer)
+    # Data-free: NVFP4A16 needs no calibration set (weights only; every observer here reads the weights alone).
     try:
         oneshot(model=model, recipe=recipe)
         model.save_pretrained(str(out_dir), save_compressed=True)  # reads the session's recipe

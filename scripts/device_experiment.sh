@@ -241,6 +241,8 @@ EOF
 # scripts, experiments/$QWEN_EXPERIMENT); carry it with call 1, and `keep-w` unpacks it into /tmp/qerl-exp/src,
 # so edits made here meanwhile cannot change a run between its calls. A run stopped at its deadline resumes
 # with another qwen-arms call while the machine still holds its workspace.
+# An arm whose config sets model.nvfp4_observer (nvfp4_aqn_mse) gets its own NVFP4 template, tmpl/nvfp4_<observer>,
+# converted by qwen-arms before its runs start; evaluate its base once (`nvfp4_aqn_mse:0:true`).
 # Here: `pack-qwen05` (above) and `GSM8K_DIR=... pack-w` (llm-compressor's wheels and GSM8K's two files).
 QWEN_EXPERIMENT=${QWEN_EXPERIMENT:-qwen05_gsm8k}  # the folder of experiments/ whose ARM.yaml the runs use
 QWEN_RUNS=${QWEN_RUNS:-"bf16:0:true nvfp4:0:true nvfp4_aqn:0:false bf16_aqn:0:false nvfp4_aqn_rel:0:false
@@ -307,9 +309,30 @@ qwen_convert() {  # once: GGUF -> models/base (BF16 HF) -> models/bf16 and model
   echo "qwen convert: done in $((SECONDS - t0)) s"; du -sh $t/*/models/*
 }
 
+qwen_template() {  # ARM -> its checkpoint's template (tmpl/QUANT, or tmpl/nvfp4_OBSERVER for another model.nvfp4_observer)
+  local cfg quant obs
+  cfg=$(qwen_cfg "$1")
+  quant=$(sed -n 's/^model: {base: [^,]*, quant: \([a-z0-9]*\).*/\1/p' "$cfg")
+  obs=$(sed -n 's/^model: {.*nvfp4_observer: \([a-z0-9_]*\).*/\1/p' "$cfg")
+  echo "$quant${obs:+_$obs}"
+}
+
+qwen_convert_observer() {  # ARM: its own NVFP4 template (other group scales), from tmpl/bf16's base (hard links)
+  local arm=$1 tq t=$EXP/tmpl
+  tq=$(qwen_template "$arm")
+  [ -f $t/$tq/models/nvfp4/convert_report.json ] && return 0
+  mkdir -p $t/$tq/models && rm -rf $t/$tq/models/base && cp -al $t/bf16/models/base $t/$tq/models/base
+  (exp_env; export PYTHONPATH=$EXP/site:/tmp/vllm-site:$PWD
+   python3 -m qerl_lib stage convert -c "$(qwen_cfg "$arm")" -s data.source=$EXP/gsm8k --root $t/$tq) || return 7
+}
+
 qwen_arms() {
   [ -f /tmp/vllm-site/.complete ] || { echo "vLLM is not installed in /tmp/vllm-site" >&2; return 2; }
   [ -f $EXP/tmpl/nf4/models/nf4/convert_report.json ] || qwen_convert || return $?
+  local r0
+  for r0 in $QWEN_RUNS; do  # an arm with its own nvfp4_observer converts its checkpoint first (foreground)
+    case "$(qwen_template "${r0%%:*}")" in nvfp4_*) qwen_convert_observer "${r0%%:*}" || return $? ;; esac
+  done
   exp_env
   export PYTHONPATH=/tmp/vllm-site:$EXP/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
   local r arm seed base quant ws t0=$SECONDS pids=() n=0 logs=$EXP/logs
@@ -326,11 +349,13 @@ qwen_arms() {
     local limit=$((deadline - $(date +%s)))
     [ "$limit" -gt 90 ] || { echo "no time left for $r: next call"; break; }
     IFS=: read -r arm seed base <<<"$r"
-    quant=$(sed -n 's/^model: {base: [^,]*, quant: \([a-z0-9]*\)}.*/\1/p' "$(qwen_cfg "$arm")")
+    quant=$(sed -n 's/^model: {base: [^,]*, quant: \([a-z0-9]*\).*/\1/p' "$(qwen_cfg "$arm")")
+    local tq
+    tq=$(qwen_template "$arm")
     ws=$EXP/runs/$arm/seed$seed
     if [ ! -d "$ws/models/$quant" ]; then
-      mkdir -p "$ws/models" && cp -al $EXP/tmpl/$quant/models/base "$ws/models/base" \
-        && cp -al $EXP/tmpl/$quant/models/$quant "$ws/models/$quant" || return 8
+      mkdir -p "$ws/models" && cp -al $EXP/tmpl/$tq/models/base "$ws/models/base" \
+        && cp -al $EXP/tmpl/$tq/models/$quant "$ws/models/$quant" || return 8
     fi
     ( timeout -k 15 "$limit" python3 -m qerl_lib run -c "$(qwen_cfg "$arm")" -s data.source=$EXP/gsm8k \
         -s run.seed="$seed" -s aqn.seed=$((1234 + seed)) -s eval.base="$base" --root "$ws" >> "$logs/$arm.seed$seed.log" 2>&1

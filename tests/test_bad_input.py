@@ -56,6 +56,7 @@ BAD_VALUES = [
     ("data.test_fraction=1.5", "data.test_fraction"),
     ("model.device=gpu", "model.device"),
     ("model.quant=int3", "model.quant"),
+    ("model.nvfp4_observer=absmax", "model.nvfp4_observer"),
     ("lora.r=0", "lora.r"),
     ("lora.alpha=0", "lora.alpha"),
     ("lora.dropout=1", "lora.dropout"),

@@ -85,3 +85,20 @@ def test_a_later_recipe_reuses_the_base_of_the_same_checkpoint(summarize, commit
     assert summarize.reuse_base([], {"base_nf4": "0" * 64}, RESULTS / "summary.json") == []
     with pytest.raises(ValueError, match=r"summary.json: no `base_nvfp4` row for checkpoint f{64}"):
         summarize.summarize(out, base_from=RESULTS / "summary.json")
+
+
+def test_an_observer_arm_has_its_own_base(summarize, tmp_path):
+    """A run whose config sets another `model.nvfp4_observer` trained on another NVFP4 checkpoint: its base
+    is `base_nvfp4_<observer>`, never mixed up with min-max's `base_nvfp4`, and no other summary's row stands
+    for it."""
+    out = tmp_path / "results"
+    shutil.copytree(RESULTS / "runs" / "nvfp4" / "seed0", out / "runs" / "nvfp4" / "seed0")
+    run = out / "runs" / "nvfp4_aqn_mse" / "seed0"
+    shutil.copytree(RESULTS / "runs" / "nvfp4_aqn" / "seed0", run)
+    cfg = run / "config.yaml"
+    cfg.write_text(cfg.read_text().replace("  quant: nvfp4\n", "  quant: nvfp4\n  nvfp4_observer: nvfp4_expanded_mse\n"))
+    report = run / "convert_report.json"
+    report.write_text(json.dumps({**json.loads(report.read_text()), "checkpoint_hash": "e" * 64}))
+    got = summarize.summarize(out, base_from=RESULTS / "summary.json")  # no hash clash with min-max's runs
+    assert {r["arm"] for r in got["base"]} == {"base_nvfp4"}  # nvfp4 seed 0 measured min-max's own
+    assert {r["arm"] for r in got["rows"]} >= {"nvfp4", "nvfp4_aqn_mse"} and "nvfp4_aqn_mse" in got["per_arm"]

@@ -17,7 +17,8 @@ beside this file:
 - `results/summary.json`: one row per (arm, seed) with `arm`, `seed`, `steps` (RL steps done),
   `greedy_acc`, `pass1` (pass@1 over k samples), their standard errors, `n_test`, wall-clock, `late`
   (training-step columns averaged over the run's second half, LATE_KEYS); the base
-  rows (`arm: "base"` for BF16, `arm: "base_nvfp4"` for the NVFP4 base) from the step-0 evaluations;
+  rows (`arm: "base"` for BF16, `arm: "base_nvfp4"` for the NVFP4 base, `base_nvfp4_<observer>` for an
+  NVFP4 base whose scales another `model.nvfp4_observer` chose) from the step-0 evaluations;
   runs without an evaluation at their last step are listed under `incomplete` with the steps they
   trained (`steps` = `planned` when only the final evaluation was cut);
 - `results/curves.png`: reward, entropy, KL to the base and the samples' correct rate per step, one line per arm
@@ -39,7 +40,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 EXPERIMENTS = HERE.parent
 DEFAULT_EXPERIMENT = HERE.name
-ARMS = ["bf16", "nvfp4", "nvfp4_aqn", "bf16_aqn", "nvfp4_aqn_rel", "nf4"]
+ARMS = ["bf16", "nvfp4", "nvfp4_aqn", "bf16_aqn", "nvfp4_aqn_rel", "nf4", "nvfp4_aqn_mse"]
 KEEP = ["reports/steps.csv", "reports/eval.csv", "reports/metrics.json", "reports/stage_times.jsonl",
         "config.yaml", "vllm_engine.json"]
 
@@ -182,6 +183,9 @@ def summarize(out: Path, experiment: str = DEFAULT_EXPERIMENT, base_from: Path |
         planned = _planned_steps(cfg)
         quant = re.search(r"^  quant: (\w+)", cfg, re.M)
         base_arm = "base" if not quant or quant.group(1) == "bf16" else f"base_{quant.group(1)}"
+        observer = re.search(r"^  nvfp4_observer: (\w+)", cfg, re.M)
+        if base_arm == "base_nvfp4" and observer and observer.group(1) != "memoryless_minmax":
+            base_arm += f"_{observer.group(1)}"  # other group scales: another base checkpoint
         digest = _checkpoint_hash(run)
         hashes.setdefault(base_arm, digest)
         if hashes[base_arm] != digest:

@@ -20,7 +20,7 @@ def convert_stage(cfg: QerlConfig, layout: Layout) -> dict:
     if not base_is_materialized(cfg.model.base, cfg.model.gguf_file, layout.base_model):
         materialize_base(cfg.model.base, cfg.model.gguf_file, layout.base_model)
     t1 = time.perf_counter()
-    report = convert(layout.base_model, layout.checkpoint(cfg.model.quant), cfg.model.quant)
+    report = convert(layout.base_model, layout.checkpoint(cfg.model.quant), cfg.model.quant, cfg.model.nvfp4_observer)
     report["seconds_materialize"] = round(t1 - t0, 3)
     report["seconds_convert"] = round(time.perf_counter() - t1, 3)
     return report

@@ -88,7 +88,7 @@ STAGES: tuple[Stage, ...] = (
         inputs=lambda lay, q, s: [],
         outputs=lambda lay, q, s: [lay.base_model, lay.checkpoint(q)],
         done=lambda lay, q, s: [lay.convert_report(q)],
-        params=("model.base", "model.gguf_file", "model.quant"), gpu=True, uses_policy=False,
+        params=("model.base", "model.gguf_file", "model.quant", "model.nvfp4_observer"), gpu=True, uses_policy=False,
         function="qerl_lib.stages.convert:convert_stage",
     ),
     Stage(
