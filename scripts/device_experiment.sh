@@ -299,14 +299,18 @@ qwen_convert() {  # once: GGUF -> models/base (BF16 HF) -> models/bf16 and model
     python3 -m qerl_lib stage convert -c "$(qwen_cfg bf16)" -s data.source=$EXP/gsm8k --root $t/bf16 || return 7
   fi
   local q
-  # nvfp4 and nf4 find models/base in place (hard links, its SOURCE names the same GGUF) and skip the GGUF load
   for q in nvfp4 nf4; do  # nf4's "conversion" is a copy of the 16-bit checkpoint (vLLM quantizes it as it loads)
-    if [ ! -f $t/$q/models/$q/convert_report.json ]; then
-      mkdir -p $t/$q/models && rm -rf $t/$q/models/base && cp -al $t/bf16/models/base $t/$q/models/base
-      python3 -m qerl_lib stage convert -c "$(qwen_cfg $q)" -s data.source=$EXP/gsm8k --root $t/$q || return 7
-    fi
+    qwen_convert_from_base "$q" "$q" || return 7
   done
   echo "qwen convert: done in $((SECONDS - t0)) s"; du -sh $t/*/models/*
+}
+
+qwen_convert_from_base() {  # TEMPLATE ARM: ARM's checkpoint into tmpl/TEMPLATE, finding tmpl/bf16's models/base in
+  # place (hard links, its SOURCE names the same GGUF), so the stage skips the GGUF load. Needs exp_env's exports.
+  local t=$EXP/tmpl/$1 quant=${1%%_*}
+  [ -f $t/models/$quant/convert_report.json ] && return 0
+  mkdir -p $t/models && rm -rf $t/models/base && cp -al $EXP/tmpl/bf16/models/base $t/models/base
+  python3 -m qerl_lib stage convert -c "$(qwen_cfg "$2")" -s data.source=$EXP/gsm8k --root $t
 }
 
 qwen_template() {  # ARM -> its checkpoint's template (tmpl/QUANT, or tmpl/nvfp4_OBSERVER for another model.nvfp4_observer)
@@ -317,21 +321,16 @@ qwen_template() {  # ARM -> its checkpoint's template (tmpl/QUANT, or tmpl/nvfp4
   echo "$quant${obs:+_$obs}"
 }
 
-qwen_convert_observer() {  # ARM: its own NVFP4 template (other group scales), from tmpl/bf16's base (hard links)
-  local arm=$1 tq t=$EXP/tmpl
-  tq=$(qwen_template "$arm")
-  [ -f $t/$tq/models/nvfp4/convert_report.json ] && return 0
-  mkdir -p $t/$tq/models && rm -rf $t/$tq/models/base && cp -al $t/bf16/models/base $t/$tq/models/base
-  (exp_env; export PYTHONPATH=$EXP/site:/tmp/vllm-site:$PWD
-   python3 -m qerl_lib stage convert -c "$(qwen_cfg "$arm")" -s data.source=$EXP/gsm8k --root $t/$tq) || return 7
-}
-
 qwen_arms() {
   [ -f /tmp/vllm-site/.complete ] || { echo "vLLM is not installed in /tmp/vllm-site" >&2; return 2; }
   [ -f $EXP/tmpl/nf4/models/nf4/convert_report.json ] || qwen_convert || return $?
-  local r0
+  local r0 tq
   for r0 in $QWEN_RUNS; do  # an arm with its own nvfp4_observer converts its checkpoint first (foreground)
-    case "$(qwen_template "${r0%%:*}")" in nvfp4_*) qwen_convert_observer "${r0%%:*}" || return $? ;; esac
+    tq=$(qwen_template "${r0%%:*}")
+    case "$tq" in
+      nvfp4_*) (exp_env; qwen_convert_from_base "$tq" "${r0%%:*}") \
+                 || return 7 ;;
+    esac
   done
   exp_env
   export PYTHONPATH=/tmp/vllm-site:$EXP/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
@@ -349,9 +348,8 @@ qwen_arms() {
     local limit=$((deadline - $(date +%s)))
     [ "$limit" -gt 90 ] || { echo "no time left for $r: next call"; break; }
     IFS=: read -r arm seed base <<<"$r"
-    quant=$(sed -n 's/^model: {base: [^,]*, quant: \([a-z0-9]*\).*/\1/p' "$(qwen_cfg "$arm")")
-    local tq
     tq=$(qwen_template "$arm")
+    quant=${tq%%_*}
     ws=$EXP/runs/$arm/seed$seed
     if [ ! -d "$ws/models/$quant" ]; then
       mkdir -p "$ws/models" && cp -al $EXP/tmpl/$tq/models/base "$ws/models/base" \

@@ -157,9 +157,9 @@ def _num_sms(device: torch.device) -> int:
 
 def kernel_regs(bf16: bool, mt: int, aligned: bool, repacked: bool = False, ring: bool = False) -> int:
     """Registers per thread of a compiled GEMV variant (the occupancy input of `plan`)."""
-    key = (bf16, mt, aligned, repacked, repacked and ring)
+    key = (bf16, mt, aligned, repacked, ring)
     if key not in _REGS:
-        _REGS[key] = int(load_extension().kernel_regs(bf16, mt, aligned, repacked, repacked and ring))
+        _REGS[key] = int(load_extension().kernel_regs(bf16, mt, aligned, repacked, ring))
     return _REGS[key]
 
 
@@ -322,7 +322,7 @@ def nvfp4_gemv(
     with torch.cuda.device(x.device):
         ext = load_extension()
         repacked = bool((config or {}).get("repacked", False))
-        ring = repacked and bool((config or {}).get("ring", False))
+        ring = bool((config or {}).get("ring", False))  # the binding ignores it without `repacked`
         if config is None or "WK" not in config:
             cfg = plan(m, n, k, _num_sms(x.device),
                        kernel_regs(x.dtype == torch.bfloat16, 1 if m <= 8 else 2, aligned, repacked, ring))

@@ -90,21 +90,26 @@ __device__ __forceinline__ void load_x(uint4 (&x0)[4], uint4 (&x1)[4], const Lan
   }
 }
 
+// Chunk c's codes and scales of rows g and g + 8. FULL: c lies inside K (no checks); else nothing is
+// loaded past K (the slot keeps stale data that is never used, since the loops stop at nc).
+template <bool ALIGNED, bool FULL = false>
+__device__ __forceinline__ void load_rows(RowChunk& a, RowChunk& b, const Lane& l, int c, int nc, int nfull,
+                                          int groups) {
+  if (FULL || c < nfull) {
+    load_row_chunk<ALIGNED, true>(a, l.cp0, l.sp0, c, groups, l.t);
+    load_row_chunk<ALIGNED, true>(b, l.cp1, l.sp1, c, groups, l.t);
+  } else if (c < nc) {
+    load_row_chunk<ALIGNED, false>(a, l.cp0, l.sp0, c, groups, l.t);
+    load_row_chunk<ALIGNED, false>(b, l.cp1, l.sp1, c, groups, l.t);
+  }
+}
+
 template <bool BF16, int MT, bool ALIGNED, bool REPACKED, bool FULL, int U>
 __device__ __forceinline__ void iteration(float (&acc)[MT][4], const Lane& l, int cb, int step, int nc, int nfull,
                                           int groups, int K) {
   RowChunk ra[U], rb[U];
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int c = cb + u * step;
-    if (FULL || c < nfull) {
-      load_row_chunk<ALIGNED, true>(ra[u], l.cp0, l.sp0, c, groups, l.t);
-      load_row_chunk<ALIGNED, true>(rb[u], l.cp1, l.sp1, c, groups, l.t);
-    } else if (c < nc) {
-      load_row_chunk<ALIGNED, false>(ra[u], l.cp0, l.sp0, c, groups, l.t);
-      load_row_chunk<ALIGNED, false>(rb[u], l.cp1, l.sp1, c, groups, l.t);
-    }
-  }
+  for (int u = 0; u < U; ++u) load_rows<ALIGNED, FULL>(ra[u], rb[u], l, cb + u * step, nc, nfull, groups);
   uint4 xa[2][4], xb[2][4];
   load_x<MT == 2, FULL>(xa[0], xb[0], l, cb, nfull, K);
 #pragma unroll
@@ -115,20 +120,6 @@ __device__ __forceinline__ void iteration(float (&acc)[MT][4], const Lane& l, in
       load_x<MT == 2, FULL>(xa[(u + 1) & 1], xb[(u + 1) & 1], l, c + step, nfull, K);
     }
     chunk_mma<BF16, MT, REPACKED>(acc, ra[u], rb[u], xa[u & 1], xb[u & 1]);
-  }
-}
-
-// Chunk c's codes and scales of rows g and g + 8 (nothing past K: the slot then keeps stale data that is
-// never used, since the loop stops at nc).
-template <bool ALIGNED>
-__device__ __forceinline__ void load_rows(RowChunk& a, RowChunk& b, const Lane& l, int c, int nc, int nfull,
-                                          int groups) {
-  if (c < nfull) {
-    load_row_chunk<ALIGNED, true>(a, l.cp0, l.sp0, c, groups, l.t);
-    load_row_chunk<ALIGNED, true>(b, l.cp1, l.sp1, c, groups, l.t);
-  } else if (c < nc) {
-    load_row_chunk<ALIGNED, false>(a, l.cp0, l.sp0, c, groups, l.t);
-    load_row_chunk<ALIGNED, false>(b, l.cp1, l.sp1, c, groups, l.t);
   }
 }
 
