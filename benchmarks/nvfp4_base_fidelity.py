@@ -35,11 +35,12 @@ sys.path.insert(0, str(ROOT))
 from qerl_lib.io import atomic_write_json  # noqa: E402
 
 
-def read_problems(data: Path, n: int) -> list[dict]:
-    """The first `n` rows of `data`/test.jsonl as {question, solution}."""
-    path = data / "test.jsonl"
+def read_problems(data: Path, n: int, split: str = "test", strip_annotations: bool = True) -> list[dict]:
+    """The first `n` rows of `data`/<split>.jsonl as {question, solution} (the solution without its
+    calculator annotations `<<...>>` unless `strip_annotations` is false)."""
+    path = data / f"{split}.jsonl"
     if not path.is_file():
-        raise SystemExit(f"--data {data}: no test.jsonl (a GSM8K folder with test.jsonl is needed)")
+        raise SystemExit(f"--data {data}: no {split}.jsonl (a GSM8K folder with {split}.jsonl is needed)")
     rows = []
     with path.open() as f:
         for i, line in enumerate(f, start=1):
@@ -47,7 +48,9 @@ def read_problems(data: Path, n: int) -> list[dict]:
                 break
             try:
                 row = json.loads(line)
-                rows.append({"question": row["question"], "solution": re.sub(r"<<[^>]*>>", "", row["answer"])})
+                answer = row["answer"]
+                rows.append({"question": row["question"],
+                             "solution": re.sub(r"<<[^>]*>>", "", answer) if strip_annotations else answer})
             except (json.JSONDecodeError, KeyError) as e:
                 raise SystemExit(f"{path}: row {i}: {type(e).__name__}: {e} (needs `question` and `answer`)") from None
     return rows

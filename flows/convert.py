@@ -1,6 +1,7 @@
-"""`qerl-convert`: make the workspace's NVFP4A16 (or BF16) checkpoint: the `convert`
-DVC stage (llm-compressor, data-free), with its size / quantization-error report shown as
-a Prefect artifact.
+"""`qerl-convert`: make the workspace's NVFP4A16 (or BF16) checkpoint: the `prepare` and
+`convert` DVC stages (llm-compressor; data-free, or GPTQ on the prepared training prompts with
+`model.nvfp4_calibration: gptq`), with the size / quantization-error report shown as a Prefect
+artifact.
 
     python flows/convert.py -w . -s model.base=/models/Qwen2.5-7B-Instruct
 
@@ -49,6 +50,10 @@ def report_markdown(ws: Path, cfg) -> str:
           f"| relative error, mean | {rep.get('rel_error_mean', 0.0):.4f} |",
           f"| relative error, max | {rep.get('rel_error_max', 0.0):.4f} |",
           f"| checkpoint sha256 | `{rep.get('checkpoint_hash', '')}` |"]
+    recipe = rep.get("recipe") or {}
+    if recipe.get("method") == "gptq":
+        md.insert(-1, f"| rounding | GPTQ on {recipe.get('calibration_sequences')} sequences, "
+                      f"{recipe.get('calibration_tokens')} tokens ({recipe.get('calibration_source')}) |")
     if worst:
         md += ["", "worst layers (||W - deq(q(W))|| / ||W||):", "", "| layer | rel. error |", "| --- | --- |"]
         md += [f"| `{name}` | {err:.4f} |" for name, err in worst]
@@ -64,7 +69,7 @@ def convert(
     settings: dict[str, Any] | None = None,
     retries: int = RETRIES,
 ) -> dict:
-    """Run the convert stage of `workspace` (DVC skips it when base and format are unchanged).
+    """Run the prepare and convert stages of `workspace` (DVC skips each when it is up to date).
 
     Args:
         workspace: the git + DVC repository holding dvc.yaml.
@@ -77,8 +82,9 @@ def convert(
 
     log = get_run_logger()
     with common.workspace_run(workspace, config, overrides, settings, log) as (ws, cfg):
-        common.check_stages(ws, ["convert"])
-        records = common.run_stages(ws, ["convert"], log, retries, "qerl-convert-progress", f"convert {ws.name}",
+        # prepare first: convert depends on the training prompts (GPTQ's calibration set)
+        common.check_stages(ws, ["prepare", "convert"])
+        records = common.run_stages(ws, ["prepare", "convert"], log, retries, "qerl-convert-progress", f"convert {ws.name}",
                                     fast_skip=False)
         create_markdown_artifact(report_markdown(ws, cfg) + "\n" + common.timing_markdown(records),
                                  key="qerl-convert-report",

@@ -84,6 +84,18 @@ class ModelConfig(_Section):
     1.8 times down to 0.8 times the range, so the group maximum may round down into the FP8 scale's
     grid (llm-compressor's NVFP4-tuned search, also called `fouroversix`). The checkpoint format is the
     same; only the codes and scales change (and the checkpoint hash)."""
+    nvfp4_calibration: Literal["none", "gptq"] = "none"
+    """How `convert` rounds the weights to FP4 (`quant: nvfp4` only). `none`: each weight to its
+    nearest code, data-free (llm-compressor's NVFP4A16 as QeRL uses it). `gptq`: llm-compressor's
+    GPTQ, which keeps the observer's group scales but rounds each linear's input columns in turn and
+    moves each column's rounding error onto the columns still unrounded, so that the layer's output
+    on calibration inputs changes least; the calibration inputs are the first
+    `nvfp4_calibration_samples` rows of `data/prepared/train.parquet`: each prompt as the rollouts
+    format it, followed by the row's worked solution where the source has one (GSM8K, MATH). Same
+    checkpoint format; another hash."""
+    nvfp4_calibration_samples: int = Field(128, ge=1)
+    """Training rows GPTQ calibrates on (`nvfp4_calibration: gptq`), from the first row of the
+    prepared training split; fewer if the split is shorter."""
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Dtype of activations and dequantized weights; `auto` is float32 on CPU (these CPUs
     have no fast bf16) and bfloat16 on CUDA."""

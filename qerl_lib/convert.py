@@ -1,10 +1,17 @@
 """The convert stage: base model -> NVFP4A16 (compressed-tensors) or BF16 checkpoint.
 
-NVFP4A16 is made by llm-compressor, data-free:
-`QuantizationModifier(targets="Linear", scheme="NVFP4A16", ignore=["lm_head"])`. The
-output is the compressed-tensors format that vLLM loads unchanged (weight_packed uint8
-pairs of FP4 E2M1, weight_scale FP8 E4M3 per 16 inputs, weight_global_scale FP32).
-`bf16` copies the base as is, for the 16-bit LoRA baseline.
+NVFP4A16 is made by llm-compressor, by default data-free round-to-nearest:
+`QuantizationModifier(targets="Linear", scheme="NVFP4A16", ignore=["lm_head"])`. With
+calibration token ids (config `model.nvfp4_calibration: gptq`) it is GPTQ instead:
+`GPTQModifier` with the same scheme. GPTQ keeps the group scales that the observer picks, but
+quantizes each linear's input columns one at a time and spreads each column's rounding error
+over the columns not yet quantized, in proportion to H^-1 where H = X^T X is the second moment of
+that linear's inputs X over the calibration tokens. So it minimises the error of the layer's
+output on those inputs, ||X W^T - X Q^T||, rather than the weights' own error (which grows).
+llm-compressor runs it layer by layer, each layer's inputs taken from the already quantized
+layers before it. Either way the output is the compressed-tensors format that vLLM loads
+unchanged (weight_packed uint8 pairs of FP4 E2M1, weight_scale FP8 E4M3 per 16 inputs,
+weight_global_scale FP32). `bf16` copies the base as is, for the 16-bit LoRA baseline.
 
 The report records bytes on disk before and after and, per quantized layer, the
 relative Frobenius error ||W - deq(q(W))|| / ||W|| with our own dequantization
@@ -19,6 +26,7 @@ import logging
 import os
 import shutil
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -30,6 +38,39 @@ log = logging.getLogger(__name__)
 
 RECIPE = {"targets": "Linear", "scheme": "NVFP4A16", "ignore": ["lm_head"]}
 DEFAULT_OBSERVER = "memoryless_minmax"  # what the NVFP4A16 preset's weights use when no observer is named
+# GPTQModifier's knobs, llm-compressor's defaults spelled out so the report records them: 128
+# columns updated per block; 1 % of the Hessian's mean diagonal added to it before its inverse;
+# "static" activation order (columns taken by decreasing Hessian diagonal, their group scales fixed
+# beforehand, so the checkpoint needs no column permutation and stays plain nvfp4-pack-quantized).
+GPTQ_SETTINGS = {"block_size": 128, "dampening_frac": 0.01, "actorder": "static"}
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Token ids that GPTQ measures each linear's inputs on, and where they came from."""
+
+    input_ids: list[list[int]]
+    """One list of token ids per sequence (no padding; llm-compressor runs them one at a time)."""
+    source: str
+    """What the sequences are, for the report (e.g. `data/prepared/train.parquet, first 128 rows`)."""
+    prompt_ids: list[str] = field(default_factory=list)
+    """The prepared rows' `prompt_id`s, in order, when they come from a prepared split."""
+
+    def __post_init__(self):
+        if not self.input_ids or any(not ids for ids in self.input_ids):
+            raise ValueError(f"calibration from {self.source}: needs at least one non-empty sequence")
+
+    def dataset(self):
+        """The sequences as the `datasets.Dataset` (input_ids, attention_mask) that `oneshot` reads."""
+        from datasets import Dataset
+
+        return Dataset.from_dict({"input_ids": self.input_ids, "attention_mask": [[1] * len(x) for x in self.input_ids]})
+
+    def record(self) -> dict:
+        ids_hash = hashlib.sha256(json.dumps(self.input_ids).encode()).hexdigest()
+        return {"calibration_source": self.source, "calibration_sequences": len(self.input_ids),
+                "calibration_tokens": sum(map(len, self.input_ids)), "calibration_ids_sha256": ids_hash,
+                "calibration_prompt_ids": self.prompt_ids}
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -88,16 +129,20 @@ def quantization_errors(base_dir: Path, quant_dir: Path) -> dict[str, float]:
     return errors
 
 
-def convert(base_dir: Path, out_dir: Path, quant: str, observer: str = DEFAULT_OBSERVER) -> dict:
+def convert(base_dir: Path, out_dir: Path, quant: str, observer: str = DEFAULT_OBSERVER,
+            calibration: "Calibration | None" = None) -> dict:
     """Write the checkpoint of `quant` from the plain HF `base_dir`: "nvfp4" the compressed-tensors
     NVFP4A16 checkpoint (group scales chosen by llm-compressor's weight `observer`, config
-    `model.nvfp4_observer`), "bf16" and "nf4" a copy (NF4 quantizes when it loads, as QLoRA does)."""
+    `model.nvfp4_observer`; rounded by GPTQ on `calibration`'s token ids when given, else to
+    nearest), "bf16" and "nf4" a copy (NF4 quantizes when it loads, as QLoRA does)."""
     base_dir, out_dir = Path(base_dir), Path(out_dir)
     if not (base_dir / "config.json").is_file():
         raise FileNotFoundError(f"base model directory {base_dir} has no config.json")
+    if calibration is not None and quant != "nvfp4":
+        raise ValueError(f"calibration is for model.quant 'nvfp4' only, got {quant!r}")
     with atomic_dir(out_dir) as tmp:
         if quant == "nvfp4":
-            _nvfp4_oneshot(base_dir, tmp, observer)
+            _nvfp4_oneshot(base_dir, tmp, observer, calibration)
         elif quant in ("bf16", "nf4"):
             for p in base_dir.iterdir():
                 if p.is_file():
@@ -108,7 +153,7 @@ def convert(base_dir: Path, out_dir: Path, quant: str, observer: str = DEFAULT_O
         before, after = dir_bytes(base_dir), dir_bytes(tmp)
         report = {
             "quant": quant,
-            "recipe": {**RECIPE, "observer": observer} if quant == "nvfp4" else None,
+            "recipe": _recipe_record(observer, calibration) if quant == "nvfp4" else None,
             "bytes_before": before,
             "bytes_after": after,
             "size_ratio": after / before,
@@ -151,27 +196,39 @@ def _quiet_llmcompressor() -> Iterator[None]:
         logger.enable("llmcompressor")
 
 
-def _nvfp4_oneshot(base_dir: Path, out_dir: Path, observer: str = DEFAULT_OBSERVER) -> None:
+def _nvfp4_oneshot(base_dir: Path, out_dir: Path, observer: str = DEFAULT_OBSERVER,
+                   calibration: "Calibration | None" = None) -> None:
     with _quiet_llmcompressor():
-        _nvfp4_oneshot_call(base_dir, out_dir, observer)
+        _nvfp4_oneshot_call(base_dir, out_dir, observer, calibration)
 
 
-def nvfp4_recipe(observer: str = DEFAULT_OBSERVER, targets: str | list[str] = RECIPE["targets"]):
+def _recipe_record(observer: str, calibration: "Calibration | None") -> dict:
+    """What the convert report says about how the NVFP4 checkpoint was made."""
+    if calibration is None:
+        return {**RECIPE, "observer": observer, "method": "rtn"}
+    return {**RECIPE, "observer": observer, "method": "gptq", **GPTQ_SETTINGS, **calibration.record()}
+
+
+def nvfp4_recipe(observer: str = DEFAULT_OBSERVER, targets: str | list[str] = RECIPE["targets"], gptq: bool = False):
     """llm-compressor's modifier for RECIPE; another weight `observer` replaces the preset's
     (the scheme spelled out as a config group: a preset name takes no observer). `targets` other
-    than "Linear" (e.g. a `re:` pattern of module names) quantize only those modules: for measuring."""
+    than "Linear" (e.g. a `re:` pattern of module names) quantize only those modules: for measuring.
+    `gptq`: the GPTQModifier with the same scheme (it needs calibration data), else round-to-nearest."""
+    from llmcompressor.modifiers.gptq import GPTQModifier
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
+    cls, extra = (GPTQModifier, GPTQ_SETTINGS) if gptq else (QuantizationModifier, {})
     if observer == DEFAULT_OBSERVER:
-        return QuantizationModifier(**{**RECIPE, "targets": targets})
+        return cls(**{**RECIPE, "targets": targets}, **extra)
     from compressed_tensors.quantization import preset_name_to_scheme
 
     scheme = preset_name_to_scheme(RECIPE["scheme"], [targets] if isinstance(targets, str) else list(targets))
     scheme.weights.observer = observer
-    return QuantizationModifier(config_groups={"group_0": scheme}, ignore=RECIPE["ignore"])
+    return cls(config_groups={"group_0": scheme}, ignore=RECIPE["ignore"], **extra)
 
 
-def _nvfp4_oneshot_call(base_dir: Path, out_dir: Path, observer: str = DEFAULT_OBSERVER) -> None:
+def _nvfp4_oneshot_call(base_dir: Path, out_dir: Path, observer: str = DEFAULT_OBSERVER,
+                        calibration: "Calibration | None" = None) -> None:
     from llmcompressor import oneshot
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -179,10 +236,15 @@ def _nvfp4_oneshot_call(base_dir: Path, out_dir: Path, observer: str = DEFAULT_O
 
     model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.bfloat16)
     tokenizer = AutoTokenizer.from_pretrained(str(base_dir))
-    recipe = nvfp4_recipe(observer)
-    # Data-free: NVFP4A16 needs no calibration set (weights only; every observer here reads the weights alone).
+    recipe = nvfp4_recipe(observer, gptq=calibration is not None)
+    # Round-to-nearest is data-free (every observer here reads the weights alone); GPTQ runs
+    # llm-compressor's sequential pipeline over the calibration sequences, one layer at a time.
+    data = {} if calibration is None else {
+        "dataset": calibration.dataset(), "num_calibration_samples": len(calibration.input_ids),
+        "max_seq_length": max(map(len, calibration.input_ids)), "shuffle_calibration_samples": False,
+    }
     try:
-        oneshot(model=model, recipe=recipe)
+        oneshot(model=model, recipe=recipe, **data)
         model.save_pretrained(str(out_dir), save_compressed=True)  # reads the session's recipe
     finally:
         # llm-compressor's global session keeps the model (and its lifecycle state) after oneshot:

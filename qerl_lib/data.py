@@ -46,11 +46,15 @@ PREPARED_SCHEMA = pa.schema(
         pa.field("ground_truth", pa.string(), nullable=False),
         pa.field("grader", pa.string(), nullable=False),
         pa.field("level", pa.int32(), nullable=True),
+        pa.field("solution", pa.string(), nullable=True),
     ]
 )
-"""Columns of `data/prepared/{train,test}.parquet`."""
+"""Columns of `data/prepared/{train,test}.parquet`. `solution`: the source's worked solution as it
+stands there (GSM8K's `answer` with its `<<...>>` annotations and `#### N` line, MATH's `solution`),
+null where the source has none (arithmetic); GPTQ's calibration reads it, no stage grades with it."""
 
-PREPARED_VERSION = "1"
+PREPARED_VERSION = "2"  # 2: the `solution` column (files of version 1 read with solution = null)
+_ADDED_COLUMNS = frozenset({"solution"})  # nullable columns that later versions added
 _SUFFIXES = (".jsonl", ".parquet")
 
 
@@ -70,6 +74,7 @@ class Example:
     ground_truth: str
     grader: str
     level: int | None = None
+    solution: str | None = None
 
 
 # ---------------------------------------------------------------------------------
@@ -154,45 +159,47 @@ def gsm8k_answer(answer: str) -> str | None:
     return normalize_number(answer.rsplit("####", 1)[1])
 
 
-def _parse_gsm8k(where: str, row: dict) -> tuple[str, str]:
+def _parse_gsm8k(where: str, row: dict) -> tuple[str, str, str | None]:
     question = _text_field(where, row, "question")
     answer = _text_field(where, row, "answer")
     truth = gsm8k_answer(answer)
     if truth is None:
         raise DataError(f"{where}: field 'answer' has no '#### <number>' final answer")
-    return question, truth
+    return question, truth, answer
 
 
-def _parse_math(where: str, row: dict) -> tuple[str, str]:
+def _parse_math(where: str, row: dict) -> tuple[str, str, str | None]:
     question = _text_field(where, row, "problem")
     answer = row.get("answer")
+    given = row.get("solution")
+    solution = given if isinstance(given, str) and given.strip() else None
     if isinstance(answer, (int, float)) or (isinstance(answer, str) and answer.strip()):
-        return question, str(answer).strip()
+        return question, str(answer).strip(), solution
     if "answer" in row and "solution" not in row:
         raise DataError(f"{where}: field 'answer' is empty")
     solution = _text_field(where, row, "solution")
     boxed = last_boxed(solution)
     if not boxed:
         raise DataError(f"{where}: field 'solution' has no \\boxed{{...}} final answer (and no 'answer' field)")
-    return question, boxed
+    return question, boxed, solution
 
 
-def _parse_arith(where: str, row: dict) -> tuple[str, str]:
+def _parse_arith(where: str, row: dict) -> tuple[str, str, str | None]:
     question = _text_field(where, row, "question")
     field = "ground_truth" if "ground_truth" in row else "answer"
     raw = _text_field(where, row, field)
     truth = normalize_number(raw)
     if truth is None:
         raise DataError(f"{where}: field {field!r} is not a number: {raw!r}")
-    return question, truth
+    return question, truth, None
 
 
 _PARSERS = {"gsm8k": _parse_gsm8k, "math": _parse_math, "arith": _parse_arith}
 
 
-def parse_rows(rows: list[tuple[str, dict]], layout: str, origin: str) -> tuple[str, list[tuple[str, str]]]:
-    """(layout, [(question, ground_truth)]) for every row, in order; the first bad row
-    raises a `DataError` naming its location and field."""
+def parse_rows(rows: list[tuple[str, dict]], layout: str, origin: str) -> tuple[str, list[tuple[str, str, str | None]]]:
+    """(layout, [(question, ground_truth, solution or None)]) for every row, in order; the first
+    bad row raises a `DataError` naming its location and field."""
     if layout == "auto":
         layout = detect_layout(rows, origin)
     if layout not in _PARSERS:
@@ -277,7 +284,7 @@ class _Part:
 
     name: str
     layout: str
-    items: list[tuple[str, str]]  # (question, ground truth) in source order
+    items: list[tuple[str, str, str | None]]  # (question, ground truth, solution) in source order
 
 
 def _parse_file(path: Path, layout: str) -> _Part:
@@ -332,7 +339,8 @@ def _load_source(source: str, layout: str, hub_config: str | None) -> dict[str, 
 def _examples(part: _Part, split: str, indices: Iterable[int]) -> list[Example]:
     grader = resolve_grader(part.layout)
     return [
-        Example(stable_id(part.name, split, i), part.name, split, i, part.items[i][0], part.items[i][1], grader)
+        Example(stable_id(part.name, split, i), part.name, split, i, part.items[i][0], part.items[i][1], grader,
+                solution=part.items[i][2])
         for i in indices
     ]
 
@@ -439,6 +447,9 @@ def load_prepared(path: str | Path) -> list[dict]:
         raise DataError(f"{path}: not a readable Parquet file ({e})") from None
     for field in PREPARED_SCHEMA:
         if field.name not in table.schema.names:
+            if field.name in _ADDED_COLUMNS:  # a file of an earlier PREPARED_VERSION: the column is null
+                table = table.append_column(field, pa.nulls(table.num_rows, field.type))
+                continue
             raise DataError(f"{path}: missing column {field.name!r}")
         actual = table.schema.field(field.name).type
         if actual != field.type:

@@ -241,8 +241,9 @@ EOF
 # scripts, experiments/$QWEN_EXPERIMENT); carry it with call 1, and `keep-w` unpacks it into /tmp/qerl-exp/src,
 # so edits made here meanwhile cannot change a run between its calls. A run stopped at its deadline resumes
 # with another qwen-arms call while the machine still holds its workspace.
-# An arm whose config sets model.nvfp4_observer (nvfp4_aqn_mse) gets its own NVFP4 template, tmpl/nvfp4_<observer>,
-# converted by qwen-arms before its runs start; evaluate its base once (`nvfp4_aqn_mse:0:true`).
+# An arm whose config sets model.nvfp4_observer (nvfp4_aqn_mse) or model.nvfp4_calibration (nvfp4_aqn_gptq) gets its
+# own NVFP4 template (tmpl/nvfp4_<observer>, tmpl/nvfp4_gptq), converted by qwen-arms before its runs start; evaluate
+# its base once (`nvfp4_aqn_mse:0:true`, `nvfp4_aqn_gptq:0:true`).
 # Here: `pack-qwen05` (above) and `GSM8K_DIR=... pack-w` (llm-compressor's wheels and GSM8K's two files).
 QWEN_EXPERIMENT=${QWEN_EXPERIMENT:-qwen05_gsm8k}  # the folder of experiments/ whose ARM.yaml the runs use
 QWEN_RUNS=${QWEN_RUNS:-"bf16:0:true nvfp4:0:true nvfp4_aqn:0:false bf16_aqn:0:false nvfp4_aqn_rel:0:false
@@ -307,18 +308,24 @@ qwen_convert() {  # once: GGUF -> models/base (BF16 HF) -> models/bf16 and model
 
 qwen_convert_from_base() {  # TEMPLATE ARM: ARM's checkpoint into tmpl/TEMPLATE, finding tmpl/bf16's models/base in
   # place (hard links, its SOURCE names the same GGUF), so the stage skips the GGUF load. Needs exp_env's exports.
-  local t=$EXP/tmpl/$1 quant=${1%%_*}
+  # prepare first: a GPTQ arm calibrates on the prepared training prompts (GSM8K's first rows, whatever the seed).
+  local t=$EXP/tmpl/$1 quant=${1%%_*} cfg
+  cfg=$(qwen_cfg "$2")
   [ -f $t/models/$quant/convert_report.json ] && return 0
   mkdir -p $t/models && rm -rf $t/models/base && cp -al $EXP/tmpl/bf16/models/base $t/models/base
-  python3 -m qerl_lib stage convert -c "$(qwen_cfg "$2")" -s data.source=$EXP/gsm8k --root $t
+  python3 -m qerl_lib stage prepare -c "$cfg" -s data.source=$EXP/gsm8k --root $t \
+    && python3 -m qerl_lib stage convert -c "$cfg" -s data.source=$EXP/gsm8k --root $t
 }
 
-qwen_template() {  # ARM -> its checkpoint's template (tmpl/QUANT, or tmpl/nvfp4_OBSERVER for another model.nvfp4_observer)
-  local cfg quant obs
+qwen_template() {  # ARM -> its checkpoint's template: tmpl/QUANT, with _OBSERVER for another model.nvfp4_observer
+  # and _gptq for model.nvfp4_calibration: gptq (tmpl/nvfp4_gptq)
+  local cfg quant obs cal
   cfg=$(qwen_cfg "$1")
   quant=$(sed -n 's/^model: {base: [^,]*, quant: \([a-z0-9]*\).*/\1/p' "$cfg")
   obs=$(sed -n 's/^model: {.*nvfp4_observer: \([a-z0-9_]*\).*/\1/p' "$cfg")
-  echo "$quant${obs:+_$obs}"
+  cal=$(sed -n 's/^model: {.*nvfp4_calibration: \([a-z0-9_]*\).*/\1/p' "$cfg")
+  [ "$cal" = none ] && cal=
+  echo "$quant${obs:+_$obs}${cal:+_$cal}"
 }
 
 qwen_arms() {

@@ -56,6 +56,7 @@ def test_gsm8k_directory_source(tmp_path):
         assert row["ground_truth"] == normalize_number(raw["answer"].rsplit("####", 1)[1])
         assert row["prompt_id"] == stable_id("gsm8k/train.jsonl", "train", i)
         assert row["source"] == "gsm8k/train.jsonl" and row["grader"] == "gsm8k" and row["level"] is None
+        assert row["solution"] == raw["answer"].strip()  # the worked solution, for GPTQ's calibration
     assert [r["source"] for r in test] == ["gsm8k/test.jsonl"] * 12
     assert len({r["prompt_id"] for r in train + test}) == 42
 
@@ -84,7 +85,7 @@ def test_math_layout_single_file_split_and_answers(tmp_path):
     for row in train + test:
         raw = rows[row["source_index"]]
         assert row["question"] == raw["problem"] and row["ground_truth"] == last_boxed(raw["solution"])
-        assert row["grader"] == "math"
+        assert row["grader"] == "math" and row["solution"] == raw["solution"]
     # MATH-500 has an answer column, which wins over the solution
     m500 = _rows("math500/test.jsonl", 20)
     test_src = _write_jsonl(tmp_path / "math500" / "test.jsonl", m500)
@@ -282,3 +283,15 @@ def test_load_prepared_validates_columns(tmp_path):
         load_prepared(path)
     with pytest.raises(DataError, match="not found"):
         load_prepared(tmp_path / "none.parquet")
+
+
+def test_a_version_1_file_reads_with_null_solutions(tmp_path):
+    """Prepared files written before the `solution` column (PREPARED_VERSION 1) still load, as
+    workspaces that resume read them: the column is null, every other one as written."""
+    out = tmp_path / "p"
+    prepare(DataConfig(source="synthetic", synthetic_train=4, synthetic_test=2), seed=0, out_dir=out)
+    rows = load_prepared(out / "train.parquet")
+    assert [r["solution"] for r in rows] == [None] * 4  # arithmetic has no worked solution
+    old = pq.read_table(out / "train.parquet").drop(["solution"])
+    pq.write_table(old, tmp_path / "v1.parquet")
+    assert load_prepared(tmp_path / "v1.parquet") == rows

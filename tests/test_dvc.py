@@ -147,7 +147,7 @@ def test_stage_names_and_paths_agree_with_layout(dvc_repro_done):
             assert outs == want, name
     # Inputs: exactly the outputs of the stages before (paths as Layout names them).
     artifacts = {n: {d for d in st["deps"] if not d.startswith("qerl_lib/")} for n, st in stages.items()}
-    assert artifacts["prepare"] == set() and artifacts["convert"] == set()
+    assert artifacts["prepare"] == set() and artifacts["convert"] == {rel(lay.prepared("train"))}  # GPTQ's prompts
     assert artifacts["init_adapter"] == {rel(lay.checkpoint(q))}
     for i in range(STEPS):
         assert artifacts[f"rollout@{i}"] == {rel(lay.prepared("train")), rel(lay.checkpoint(q)), rel(lay.adapter(i))}
@@ -219,6 +219,8 @@ class _Trace:
 WHOLE_CONFIG_READERS = {"rollout", "eval", "report"}
 # Read on a path this small run does not take; declared because they change the output there.
 CONDITIONAL_READS = {
+    "convert": {k: "GPTQ's calibration prompts (model.nvfp4_calibration: gptq)" for k in (
+        "model.nvfp4_calibration_samples", "data.prompt", "model.chat_template")},
     "update": {"algo.beta": "the KL coefficient, read by the grpo loss only",
                "aqn.seed": "the noise seed when a step has no rows (else taken from the rows)"},
 }

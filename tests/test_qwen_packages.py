@@ -236,8 +236,8 @@ def _flat_config(path: Path) -> dict:
 def test_qwen05_gsm8k_arms_differ_only_in_the_arm_knobs(experiment):
     """experiments/qwen05_gsm8k*: every arm's config loads and equals nvfp4_aqn outside its knobs."""
     exp = ROOT / "experiments" / experiment
-    knobs = {("run", "root"), ("model", "quant"), ("model", "nvfp4_observer"), ("aqn", "enabled"), ("aqn", "sigma_mode"),
-             ("rollout", "backend")}
+    knobs = {("run", "root"), ("model", "quant"), ("model", "nvfp4_observer"), ("model", "nvfp4_calibration"),
+             ("aqn", "enabled"), ("aqn", "sigma_mode"), ("rollout", "backend")}
     ref = _flat_config(exp / "nvfp4_aqn.yaml")
     assert ref[("model", "base")] == "qwen2.5-coder-0.5b" and ref[("run", "steps")] >= 60
     assert ref[("eval", "max_prompts")] is None and ref[("data", "max_test")] is None
@@ -245,7 +245,7 @@ def test_qwen05_gsm8k_arms_differ_only_in_the_arm_knobs(experiment):
     want = {"bf16": ("bf16", False, "absolute", "vllm"), "nvfp4": ("nvfp4", False, "absolute", "vllm"),
             "nvfp4_aqn": ("nvfp4", True, "absolute", "vllm"), "nf4": ("nf4", False, "absolute", "vllm"),
             "bf16_aqn": ("bf16", True, "absolute", "vllm"), "nvfp4_aqn_rel": ("nvfp4", True, "relative", "vllm"),
-            "nvfp4_aqn_mse": ("nvfp4", True, "absolute", "vllm")}
+            "nvfp4_aqn_mse": ("nvfp4", True, "absolute", "vllm"), "nvfp4_aqn_gptq": ("nvfp4", True, "absolute", "vllm")}
     assert sorted(p.stem for p in exp.glob("*.yaml")) == sorted(want)
     for arm, (quant, aqn, mode, backend) in want.items():
         got = _flat_config(exp / f"{arm}.yaml")
@@ -253,6 +253,7 @@ def test_qwen05_gsm8k_arms_differ_only_in_the_arm_knobs(experiment):
                 got[("rollout", "backend")]) == (quant, aqn, mode, backend), arm
         observer = "nvfp4_expanded_mse" if arm == "nvfp4_aqn_mse" else "memoryless_minmax"
         assert got[("model", "nvfp4_observer")] == observer, arm
+        assert got[("model", "nvfp4_calibration")] == ("gptq" if arm == "nvfp4_aqn_gptq" else "none"), arm
         assert got[("run", "root")] == f"runs/{experiment}/{arm}/seed0"
         assert {k for k in ref if got[k] != ref[k]} <= knobs, arm
 

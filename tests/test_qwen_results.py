@@ -102,3 +102,16 @@ def test_an_observer_arm_has_its_own_base(summarize, tmp_path):
     got = summarize.summarize(out, base_from=RESULTS / "summary.json")  # no hash clash with min-max's runs
     assert {r["arm"] for r in got["base"]} == {"base_nvfp4"}  # nvfp4 seed 0 measured min-max's own
     assert {r["arm"] for r in got["rows"]} >= {"nvfp4", "nvfp4_aqn_mse"} and "nvfp4_aqn_mse" in got["per_arm"]
+
+
+def test_a_gptq_arm_has_its_own_base(summarize, tmp_path):
+    """GPTQ's rounding (`model.nvfp4_calibration: gptq`) is another NVFP4 checkpoint: `base_nvfp4_gptq`."""
+    out = tmp_path / "results"
+    run = out / "runs" / "nvfp4_aqn_gptq" / "seed0"
+    shutil.copytree(RESULTS / "runs" / "nvfp4" / "seed0", run)  # a run that evaluated its base (step 0)
+    cfg = run / "config.yaml"
+    cfg.write_text(cfg.read_text().replace("  quant: nvfp4\n", "  quant: nvfp4\n  nvfp4_calibration: gptq\n"))
+    report = run / "convert_report.json"
+    report.write_text(json.dumps({**json.loads(report.read_text()), "checkpoint_hash": "d" * 64}))
+    got = summarize.summarize(out, base_from=RESULTS / "summary.json")
+    assert [r["arm"] for r in got["base"]] == ["base_nvfp4_gptq"]

@@ -18,7 +18,8 @@ beside this file:
   `greedy_acc`, `pass1` (pass@1 over k samples), their standard errors, `n_test`, wall-clock, `late`
   (training-step columns averaged over the run's second half, LATE_KEYS); the base
   rows (`arm: "base"` for BF16, `arm: "base_nvfp4"` for the NVFP4 base, `base_nvfp4_<observer>` for an
-  NVFP4 base whose scales another `model.nvfp4_observer` chose) from the step-0 evaluations;
+  NVFP4 base whose scales another `model.nvfp4_observer` chose, `..._gptq` appended for one that GPTQ
+  rounded, `model.nvfp4_calibration`) from the step-0 evaluations;
   runs without an evaluation at their last step are listed under `incomplete` with the steps they
   trained (`steps` = `planned` when only the final evaluation was cut);
 - `results/curves.png`: reward, entropy, KL to the base and the samples' correct rate per step, one line per arm
@@ -186,6 +187,9 @@ def summarize(out: Path, experiment: str = DEFAULT_EXPERIMENT, base_from: Path |
         observer = re.search(r"^  nvfp4_observer: (\w+)", cfg, re.M)
         if base_arm == "base_nvfp4" and observer and observer.group(1) != "memoryless_minmax":
             base_arm += f"_{observer.group(1)}"  # other group scales: another base checkpoint
+        calibration = re.search(r"^  nvfp4_calibration: (\w+)", cfg, re.M)
+        if base_arm.startswith("base_nvfp4") and calibration and calibration.group(1) != "none":
+            base_arm += f"_{calibration.group(1)}"  # other rounding (GPTQ): another base checkpoint
         digest = _checkpoint_hash(run)
         hashes.setdefault(base_arm, digest)
         if hashes[base_arm] != digest:

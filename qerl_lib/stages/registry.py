@@ -85,10 +85,13 @@ STAGES: tuple[Stage, ...] = (
     ),
     Stage(
         "convert", "base model -> plain HF copy + quantized checkpoint (llm-compressor NVFP4A16)", "none",
-        inputs=lambda lay, q, s: [],
+        # the training prompts: GPTQ's calibration set (model.nvfp4_calibration: gptq). DVC deps cannot
+        # depend on a param, so a data change re-runs a data-free conversion too (same checkpoint hash).
+        inputs=lambda lay, q, s: [lay.prepared("train")],
         outputs=lambda lay, q, s: [lay.base_model, lay.checkpoint(q)],
         done=lambda lay, q, s: [lay.convert_report(q)],
-        params=("model.base", "model.gguf_file", "model.quant", "model.nvfp4_observer"), gpu=True, uses_policy=False,
+        params=("model.base", "model.gguf_file", "model.quant", "model.nvfp4_observer", "model.nvfp4_calibration",
+                "model.nvfp4_calibration_samples", "data.prompt", "model.chat_template"), gpu=True, uses_policy=False,
         function="qerl_lib.stages.convert:convert_stage",
     ),
     Stage(
