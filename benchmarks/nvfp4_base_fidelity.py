@@ -35,9 +35,9 @@ sys.path.insert(0, str(ROOT))
 from qerl_lib.io import atomic_write_json  # noqa: E402
 
 
-def read_problems(data: Path, n: int, split: str = "test", strip_annotations: bool = True) -> list[dict]:
+def read_problems(data: Path, n: int, split: str = "test") -> list[dict]:
     """The first `n` rows of `data`/<split>.jsonl as {question, solution} (the solution without its
-    calculator annotations `<<...>>` unless `strip_annotations` is false)."""
+    calculator annotations `<<...>>`)."""
     path = data / f"{split}.jsonl"
     if not path.is_file():
         raise SystemExit(f"--data {data}: no {split}.jsonl (a GSM8K folder with {split}.jsonl is needed)")
@@ -48,9 +48,7 @@ def read_problems(data: Path, n: int, split: str = "test", strip_annotations: bo
                 break
             try:
                 row = json.loads(line)
-                answer = row["answer"]
-                rows.append({"question": row["question"],
-                             "solution": re.sub(r"<<[^>]*>>", "", answer) if strip_annotations else answer})
+                rows.append({"question": row["question"], "solution": re.sub(r"<<[^>]*>>", "", row["answer"])})
             except (json.JSONDecodeError, KeyError) as e:
                 raise SystemExit(f"{path}: row {i}: {type(e).__name__}: {e} (needs `question` and `answer`)") from None
     return rows

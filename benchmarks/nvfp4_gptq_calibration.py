@@ -34,16 +34,12 @@ def calibration(base: Path, data: Path, n: int, prompts_only: bool):
     from transformers import AutoTokenizer
 
     from qerl_lib.convert import Calibration
-    from qerl_lib.rewards import format_row
-    from qerl_lib.stages.convert import calibration_text
+    from qerl_lib.stages.convert import calibration_ids
 
-    tok = AutoTokenizer.from_pretrained(str(base))
-    ids = []
-    for p in read_problems(data, n, "train", strip_annotations=False):
-        # stripped as `qerl stage prepare` strips a row's text fields
-        prompt = format_row(tok, {"question": p["question"].strip(), "grader": "gsm8k"}, "stepwise", True)
-        ids.append(tok(calibration_text(prompt, None if prompts_only else p["solution"].strip()),
-                       add_special_tokens=False)["input_ids"])
+    # text fields stripped as `qerl stage prepare` strips them
+    rows = [{"question": p["question"].strip(), "grader": "gsm8k", "solution": None if prompts_only else p["solution"].strip()}
+            for p in read_problems(data, n, "train")]
+    ids = calibration_ids(AutoTokenizer.from_pretrained(str(base)), rows, "stepwise", True)
     what = "prompts" if prompts_only else "prompts and their solutions"
     return Calibration(ids, f"train.jsonl, first {len(ids)} rows, {what}")
 

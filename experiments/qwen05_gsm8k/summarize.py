@@ -42,6 +42,13 @@ HERE = Path(__file__).resolve().parent
 EXPERIMENTS = HERE.parent
 DEFAULT_EXPERIMENT = HERE.name
 ARMS = ["bf16", "nvfp4", "nvfp4_aqn", "bf16_aqn", "nvfp4_aqn_rel", "nf4", "nvfp4_aqn_mse"]
+"""The order arms are listed and plotted in; an arm not named here follows them, by name."""
+
+
+def arm_order(names) -> list[str]:
+    """`names` (the arms that have runs), in ARMS order, then any others sorted."""
+    names = set(names)
+    return [a for a in ARMS if a in names] + sorted(names - set(ARMS))
 KEEP = ["reports/steps.csv", "reports/eval.csv", "reports/metrics.json", "reports/stage_times.jsonl",
         "config.yaml", "vllm_engine.json"]
 
@@ -221,10 +228,8 @@ def summarize(out: Path, experiment: str = DEFAULT_EXPERIMENT, base_from: Path |
                      "seconds_by_stage": by_stage, "seconds_total": round(sum(by_stage.values()), 1),
                      "late": late_means(step_rows, planned)})
     per_arm = {}
-    for arm in ARMS:
+    for arm in arm_order(r["arm"] for r in rows):
         rs = [r for r in rows if r["arm"] == arm]
-        if not rs:
-            continue
         agg = {"seeds": [r["seed"] for r in rs]}
         for key in ("greedy_acc", "pass1"):
             vals = [r[key] for r in rs]
@@ -306,7 +311,7 @@ def main() -> None:
     from qerl_lib.io import atomic_write_text  # a failed run never leaves half a summary
 
     atomic_write_text(out / "summary.json", json.dumps(summary, indent=1) + "\n")
-    plot(out, ARMS, args.experiment)
+    plot(out, arm_order(p.name for p in (out / "runs").iterdir() if p.is_dir()), args.experiment)
     for r in summary["rows"]:
         print(f"{r['arm']:>14} seed {r['seed']} steps {r['steps']:>2}: greedy {r['greedy_acc']:.3f} ± {r['greedy_se']:.3f}"
               f"  pass@1 {r['pass1']:.3f} ± {r['pass1_se']:.3f}  (n={r['n_test']})")

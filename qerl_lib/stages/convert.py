@@ -24,23 +24,29 @@ def calibration_text(prompt_text: str, solution: str | None) -> str:
     return prompt_text + (re.sub(r"<<[^>]*>>", "", solution) if solution else "")
 
 
+def calibration_ids(tok, rows: list[dict], prompt: str, chat_template: bool) -> list[list[int]]:
+    """Token ids of each row's calibration sequence (`calibration_text`): the row (`question`,
+    `grader`, `solution`) formatted under `data.prompt` as the rollouts format it, tokenized as
+    they tokenize a prompt."""
+    from qerl_lib.rewards import format_row
+
+    return [tok(calibration_text(format_row(tok, r, prompt, chat_template), r["solution"]),
+                add_special_tokens=False)["input_ids"] for r in rows]
+
+
 def calibration_from_prepared(train: Path, tokenizer_dir: Path, n: int, prompt: str, chat_template: bool):
     """GPTQ's calibration sequences: the first `n` rows of the prepared `train` split, each the
-    prompt text the rollouts feed the model (`format_row` under `data.prompt`) followed by the
-    row's worked solution (`calibration_text`), tokenized as the rollouts tokenize a prompt."""
+    prompt text the rollouts feed the model followed by the row's worked solution."""
     from transformers import AutoTokenizer
 
     from qerl_lib.convert import Calibration
     from qerl_lib.data import DataError, load_prepared
-    from qerl_lib.rewards import format_row
 
     if not train.is_file():
         raise DataError(f"{train}: not found; model.nvfp4_calibration: gptq calibrates on the prepared "
                         "training prompts, so the prepare stage runs first (`qerl stage prepare`)")
     rows = load_prepared(train)[:n]
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    ids = [tok(calibration_text(format_row(tok, r, prompt, chat_template), r["solution"]),
-               add_special_tokens=False)["input_ids"] for r in rows]
+    ids = calibration_ids(AutoTokenizer.from_pretrained(str(tokenizer_dir)), rows, prompt, chat_template)
     with_solutions = sum(r["solution"] is not None for r in rows)
     return Calibration(ids, f"{train.name}, first {len(rows)} rows, data.prompt {prompt}, "
                             f"{with_solutions} with their solution", [r["prompt_id"] for r in rows])
