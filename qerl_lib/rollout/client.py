@@ -49,6 +49,11 @@ CONCURRENCY = int(os.environ.get("QERL_ROLLOUT_CONCURRENCY", "512"))
 TIMEOUT_S = float(os.environ.get("QERL_ROLLOUT_TIMEOUT", "3600"))
 """Seconds one request may take before the server is declared hung."""
 CONNECT_TIMEOUT_S = 10.0
+KEEPALIVE_EXPIRY_S = 1.0
+"""Seconds an idle pooled connection may be reused. Servers close idle connections after 5 s
+(uvicorn's and `vllm serve`'s default keep-alive); a client that keeps them as long (httpx's
+default) can send on one the moment the server closes it and read a connection reset. A shorter
+expiry makes the client open a fresh connection instead."""
 LORA_PREFIX = "qerl-v"
 NORMS_FILE = "norms.safetensors"
 
@@ -103,7 +108,8 @@ class RemoteEngine:
     def __init__(self, url: str, timeout: float = TIMEOUT_S):
         self.url = url.rstrip("/")
         self.timeout = timeout
-        self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=CONNECT_TIMEOUT_S))
+        self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=CONNECT_TIMEOUT_S),
+                                  limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S))
         self._info: dict | None = None
         self.adapter: str | None = None
         """Name of the adapter that `generate` requests (None: the base)."""
@@ -238,7 +244,8 @@ class RemoteEngine:
 
     async def _complete_all(self, bodies: list[dict], concurrency: int,
                             progress: Callable[[int], None] | None) -> list[Completion]:
-        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency,
+                              keepalive_expiry=KEEPALIVE_EXPIRY_S)
         timeout = httpx.Timeout(self.timeout, connect=CONNECT_TIMEOUT_S)
         sem = asyncio.Semaphore(concurrency)
         done = 0
