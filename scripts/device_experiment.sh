@@ -244,6 +244,12 @@ EOF
 # An arm whose config sets model.nvfp4_observer (nvfp4_aqn_mse) or model.nvfp4_calibration (nvfp4_aqn_gptq) gets its
 # own NVFP4 template (tmpl/nvfp4_<observer>, tmpl/nvfp4_gptq), converted by qwen-arms before its runs start; evaluate
 # its base once (`nvfp4_aqn_mse:0:true`, `nvfp4_aqn_gptq:0:true`).
+# The bases alone, without training (when the budget cannot hold a run of 800-1,000 s): in call 12, after the
+# last piece, `cd /tmp/qerl-exp/src && QWEN_EXPERIMENT=qwen05_gsm8k_v2 bash scripts/device_experiment.sh
+# qwen-base-evals nvfp4_aqn_gptq nvfp4`: converts each arm's checkpoint (sequentially), evaluates its zero adapter
+# at step 0 (eval.base=true; QWEN_EVAL_SET="-s eval.k=1" for greedy plus one sample), the evaluations overlapping,
+# and copies each metrics.json to $OUT as soon as it is written. Needs about 90 s of conversions plus 100-190 s
+# per evaluation on top of calls 1-11 (tried locally with the tiny model; not yet on the GPU).
 # Here: `pack-qwen05` (above) and `GSM8K_DIR=... pack-w` (llm-compressor's wheels and GSM8K's two files).
 QWEN_EXPERIMENT=${QWEN_EXPERIMENT:-qwen05_gsm8k}  # the folder of experiments/ whose ARM.yaml the runs use
 QWEN_RUNS=${QWEN_RUNS:-"bf16:0:true nvfp4:0:true nvfp4_aqn:0:false bf16_aqn:0:false nvfp4_aqn_rel:0:false
@@ -411,6 +417,46 @@ EOF
   ls -la "$OUT"
 }
 
+qwen_base_evals() {  # ARM ...: each arm's base checkpoint (converted here; GPTQ or another observer included) evaluated
+  # at step 0 (the zero adapter: the base's own accuracy), without training: a cheap side-by-side of NVFP4 bases.
+  # Evaluations start as soon as their checkpoint is ready (conversions stay sequential, evaluations overlap);
+  # each metrics.json goes to $OUT the moment it exists, so a call cut short still returns the ones done.
+  [ -f /tmp/vllm-site/.complete ] || { echo "vLLM is not installed in /tmp/vllm-site" >&2; return 2; }
+  [ -f $EXP/site/.w ] || { echo "wheels missing: run keep-w first" >&2; return 3; }
+  local arm tq quant ws t0=$SECONDS pids=() logs=$EXP/logs cfg
+  mkdir -p "$OUT" $logs
+  if [ ! -f $EXP/tmpl/bf16/models/bf16/convert_report.json ]; then
+    (exp_env; export PYTHONPATH=$EXP/site:/tmp/vllm-site:$PWD
+     python3 -m qerl_lib stage convert -c "$(qwen_cfg bf16)" -s data.source=$EXP/gsm8k --root $EXP/tmpl/bf16) || return 7
+  fi
+  echo "[$((SECONDS - t0)) s] bf16 base ready"
+  for arm in "$@"; do
+    tq=$(qwen_template "$arm"); quant=${tq%%_*}; cfg=$(qwen_cfg "$arm"); ws=$EXP/runs/$arm/seed0
+    if [ "$tq" != bf16 ]; then
+      (exp_env; export PYTHONPATH=$EXP/site:/tmp/vllm-site:$PWD; qwen_convert_from_base "$tq" "$arm") || return 7
+      cp $EXP/tmpl/$tq/models/$quant/convert_report.json "$OUT/$arm.convert_report.json"
+    fi
+    echo "[$((SECONDS - t0)) s] $tq ready"
+    if [ ! -d "$ws/models/$quant" ]; then
+      mkdir -p "$ws/models" && cp -al $EXP/tmpl/$tq/models/base "$ws/models/base" \
+        && cp -al $EXP/tmpl/$tq/models/$quant "$ws/models/$quant" || return 8
+    fi
+    ( exp_env; export PYTHONPATH=/tmp/vllm-site:$EXP/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+      # shellcheck disable=SC2086  # QWEN_EVAL_SET: extra overrides, e.g. "-s eval.k=1" (greedy + one sample: faster)
+      set -- -c "$cfg" -s data.source=$EXP/gsm8k -s run.seed=0 -s aqn.seed=1234 -s eval.base=true ${QWEN_EVAL_SET:-} --root "$ws"
+      { python3 -m qerl_lib stage prepare "$@" && python3 -m qerl_lib stage init_adapter "$@" \
+          && python3 -m qerl_lib stage eval --step 0 "$@"; } >> "$logs/$arm.base.log" 2>&1
+      rc=$?; cp "$ws/eval/step=0/metrics.json" "$OUT/$arm.step0_metrics.json" 2>/dev/null
+      echo "[$((SECONDS - t0)) s] base eval $arm: rc=$rc $(cat "$ws/eval/step=0/metrics.json" 2>/dev/null | head -c 400)" ) &
+    pids+=($!)
+    sleep 3  # engines that profile their memory at the same instant misjudge it
+  done
+  wait "${pids[@]}"
+  echo "qwen base evals: $((SECONDS - t0)) s"
+  tail -n 5 $logs/*.base.log
+  qwen_collect
+}
+
 qwen_start() {  # qwen-arms in its own process session: it outlives this call (until the machine goes back)
   mkdir -p $EXP/logs
   OUT=$EXP/bg-out setsid nohup bash scripts/device_experiment.sh qwen-arms > $EXP/logs/arms.out 2>&1 < /dev/null &
@@ -431,6 +477,7 @@ qwen_wait() {  # until the background arms end or WAIT_UNTIL (epoch s); then the
 case "$cmd" in
   pack-w) pack_w ;;
   qwen-start) qwen_start ;;
+  qwen-base-evals) qwen_base_evals "$@" ;;
   qwen-wait) qwen_wait ;;
   snap) snap ;;
   keep-w) keep_w ;;
