@@ -44,6 +44,7 @@ QWEN_FIRST=${QWEN_FIRST:-9000000}  # bytes of Qwen piece p0 (sized to ride with 
 PIECE_BYTES=(58000000 36000000)  # GGUF bytes in pieces a and b (c: the rest): a leaves 9 MB of the 64 MiB carry for the working tree
 
 exp_env() {
+  # the wheels first: llm-compressor wants compressed-tensors 0.19 (vLLM's set has 0.17); the runs put vLLM's first
   export PYTHONPATH=$EXP/site:/tmp/vllm-site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
   export DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 VLLM_NO_USAGE_STATS=1
   export QERL_CACHE_DIR=$EXP/cache  # where qwen05 places the joined GGUF (qerl_lib.registry_models.cache_dir)
@@ -300,16 +301,23 @@ qwen_cfg() { echo "experiments/$QWEN_EXPERIMENT/$1.yaml"; }
 qwen_convert() {  # once: GGUF -> models/base (BF16 HF) -> models/bf16 and models/nvfp4, in two template workspaces
   [ -f $EXP/site/.w ] || { echo "wheels missing: run keep-w first" >&2; return 3; }
   exp_env
-  export PYTHONPATH=$EXP/site:/tmp/vllm-site:$PWD  # llm-compressor wants compressed-tensors 0.19 (vLLM's set has 0.17)
   local t=$EXP/tmpl t0=$SECONDS
-  if [ ! -f $t/bf16/models/bf16/convert_report.json ]; then
-    python3 -m qerl_lib stage convert -c "$(qwen_cfg bf16)" -s data.source=$EXP/gsm8k --root $t/bf16 || return 7
-  fi
+  qwen_convert_bf16 || return 7
   local q
   for q in nvfp4 nf4; do  # nf4's "conversion" is a copy of the 16-bit checkpoint (vLLM quantizes it as it loads)
     qwen_convert_from_base "$q" "$q" || return 7
   done
   echo "qwen convert: done in $((SECONDS - t0)) s"; du -sh $t/*/models/*
+}
+
+qwen_convert_bf16() {  # once: GGUF -> tmpl/bf16/models/base (BF16 HF) and models/bf16. Needs exp_env's exports.
+  [ -f $EXP/tmpl/bf16/models/bf16/convert_report.json ] && return 0
+  python3 -m qerl_lib stage convert -c "$(qwen_cfg bf16)" -s data.source=$EXP/gsm8k --root $EXP/tmpl/bf16
+}
+
+qwen_workspace() {  # WS TEMPLATE QUANT: a run workspace holding tmpl/TEMPLATE's base and QUANT checkpoint (hard links)
+  [ -d "$1/models/$3" ] && return 0
+  mkdir -p "$1/models" && cp -al $EXP/tmpl/$2/models/base "$1/models/base" && cp -al $EXP/tmpl/$2/models/$3 "$1/models/$3"
 }
 
 qwen_convert_from_base() {  # TEMPLATE ARM: ARM's checkpoint into tmpl/TEMPLATE, finding tmpl/bf16's models/base in
@@ -364,10 +372,7 @@ qwen_arms() {
     tq=$(qwen_template "$arm")
     quant=${tq%%_*}
     ws=$EXP/runs/$arm/seed$seed
-    if [ ! -d "$ws/models/$quant" ]; then
-      mkdir -p "$ws/models" && cp -al $EXP/tmpl/$tq/models/base "$ws/models/base" \
-        && cp -al $EXP/tmpl/$tq/models/$quant "$ws/models/$quant" || return 8
-    fi
+    qwen_workspace "$ws" "$tq" "$quant" || return 8
     ( timeout -k 15 "$limit" python3 -m qerl_lib run -c "$(qwen_cfg "$arm")" -s data.source=$EXP/gsm8k \
         -s run.seed="$seed" -s aqn.seed=$((1234 + seed)) -s eval.base="$base" --root "$ws" >> "$logs/$arm.seed$seed.log" 2>&1
       echo "run $arm seed $seed: rc=$? after $((SECONDS - t0)) s" | tee -a "$logs/$arm.seed$seed.log" ) &
@@ -425,22 +430,16 @@ qwen_base_evals() {  # ARM ...: each arm's base checkpoint (converted here; GPTQ
   [ -f $EXP/site/.w ] || { echo "wheels missing: run keep-w first" >&2; return 3; }
   local arm tq quant ws t0=$SECONDS pids=() logs=$EXP/logs cfg
   mkdir -p "$OUT" $logs
-  if [ ! -f $EXP/tmpl/bf16/models/bf16/convert_report.json ]; then
-    (exp_env; export PYTHONPATH=$EXP/site:/tmp/vllm-site:$PWD
-     python3 -m qerl_lib stage convert -c "$(qwen_cfg bf16)" -s data.source=$EXP/gsm8k --root $EXP/tmpl/bf16) || return 7
-  fi
+  (exp_env; qwen_convert_bf16) || return 7
   echo "[$((SECONDS - t0)) s] bf16 base ready"
   for arm in "$@"; do
     tq=$(qwen_template "$arm"); quant=${tq%%_*}; cfg=$(qwen_cfg "$arm"); ws=$EXP/runs/$arm/seed0
     if [ "$tq" != bf16 ]; then
-      (exp_env; export PYTHONPATH=$EXP/site:/tmp/vllm-site:$PWD; qwen_convert_from_base "$tq" "$arm") || return 7
+      (exp_env; qwen_convert_from_base "$tq" "$arm") || return 7
       cp $EXP/tmpl/$tq/models/$quant/convert_report.json "$OUT/$arm.convert_report.json"
     fi
     echo "[$((SECONDS - t0)) s] $tq ready"
-    if [ ! -d "$ws/models/$quant" ]; then
-      mkdir -p "$ws/models" && cp -al $EXP/tmpl/$tq/models/base "$ws/models/base" \
-        && cp -al $EXP/tmpl/$tq/models/$quant "$ws/models/$quant" || return 8
-    fi
+    qwen_workspace "$ws" "$tq" "$quant" || return 8
     ( exp_env; export PYTHONPATH=/tmp/vllm-site:$EXP/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
       # shellcheck disable=SC2086  # QWEN_EVAL_SET: extra overrides, e.g. "-s eval.k=1" (greedy + one sample: faster)
       set -- -c "$cfg" -s data.source=$EXP/gsm8k -s run.seed=0 -s aqn.seed=1234 -s eval.base=true ${QWEN_EVAL_SET:-} --root "$ws"
