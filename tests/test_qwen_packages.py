@@ -245,7 +245,8 @@ def test_qwen05_gsm8k_arms_differ_only_in_the_arm_knobs(experiment):
     want = {"bf16": ("bf16", False, "absolute", "vllm"), "nvfp4": ("nvfp4", False, "absolute", "vllm"),
             "nvfp4_aqn": ("nvfp4", True, "absolute", "vllm"), "nf4": ("nf4", False, "absolute", "vllm"),
             "bf16_aqn": ("bf16", True, "absolute", "vllm"), "nvfp4_aqn_rel": ("nvfp4", True, "relative", "vllm"),
-            "nvfp4_aqn_mse": ("nvfp4", True, "absolute", "vllm"), "nvfp4_aqn_gptq": ("nvfp4", True, "absolute", "vllm")}
+            "nvfp4_aqn_mse": ("nvfp4", True, "absolute", "vllm"), "nvfp4_aqn_gptq": ("nvfp4", True, "absolute", "vllm"),
+            "nvfp4_gptq": ("nvfp4", False, "absolute", "vllm")}
     assert sorted(p.stem for p in exp.glob("*.yaml")) == sorted(want)
     for arm, (quant, aqn, mode, backend) in want.items():
         got = _flat_config(exp / f"{arm}.yaml")
@@ -253,7 +254,7 @@ def test_qwen05_gsm8k_arms_differ_only_in_the_arm_knobs(experiment):
                 got[("rollout", "backend")]) == (quant, aqn, mode, backend), arm
         observer = "nvfp4_expanded_mse" if arm == "nvfp4_aqn_mse" else "memoryless_minmax"
         assert got[("model", "nvfp4_observer")] == observer, arm
-        assert got[("model", "nvfp4_calibration")] == ("gptq" if arm == "nvfp4_aqn_gptq" else "none"), arm
+        assert got[("model", "nvfp4_calibration")] == ("gptq" if arm.endswith("_gptq") else "none"), arm
         assert got[("run", "root")] == f"runs/{experiment}/{arm}/seed0"
         assert {k for k in ref if got[k] != ref[k]} <= knobs, arm
 
