@@ -50,6 +50,11 @@ exp_env() {
   export QERL_CACHE_DIR=$EXP/cache  # where qwen05 places the joined GGUF (qerl_lib.registry_models.cache_dir)
 }
 
+run_env() {  # exp_env for the runs and evaluations: vLLM's packages first (flashinfer is not carried)
+  exp_env
+  export PYTHONPATH=/tmp/vllm-site:$EXP/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
+}
+
 pack() {
   local py=${PYTHON:-.venv/bin/python}
   "$py" - <<'EOF'
@@ -353,8 +358,7 @@ qwen_arms() {
                  || return 7 ;;
     esac
   done
-  exp_env
-  export PYTHONPATH=/tmp/vllm-site:$EXP/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
+  run_env
   local r arm seed base quant ws t0=$SECONDS pids=() n=0 logs=$EXP/logs
   mkdir -p "$OUT" $logs
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
@@ -440,7 +444,7 @@ qwen_base_evals() {  # ARM ...: each arm's base checkpoint (converted here; GPTQ
     fi
     echo "[$((SECONDS - t0)) s] $tq ready"
     qwen_workspace "$ws" "$tq" "$quant" || return 8
-    ( exp_env; export PYTHONPATH=/tmp/vllm-site:$EXP/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+    ( run_env; export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
       # shellcheck disable=SC2086  # QWEN_EVAL_SET: extra overrides, e.g. "-s eval.k=1" (greedy + one sample: faster)
       set -- -c "$cfg" -s data.source=$EXP/gsm8k -s run.seed=0 -s aqn.seed=1234 -s eval.base=true ${QWEN_EVAL_SET:-} --root "$ws"
       { python3 -m qerl_lib stage prepare "$@" && python3 -m qerl_lib stage init_adapter "$@" \
