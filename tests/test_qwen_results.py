@@ -4,6 +4,8 @@
 give the committed summary, so no figure in it was edited by hand or left stale by a later archive.
 The rows carry the fields the issue asks for, and the figures that `README.md` and
 `docs/results_qwen05_gsm8k.md` quote for the three main arms are the summary's, at three decimals.
+Recipe 2 (`experiments/qwen05_gsm8k_v2/results`) is held to the same: its summary recomputes from its
+runs (base rows from recipe 1's summary, by checkpoint hash), and the docs quote its three-seed arms.
 """
 
 from __future__ import annotations
@@ -115,3 +117,29 @@ def test_a_gptq_arm_has_its_own_base(summarize, tmp_path):
     report.write_text(json.dumps({**json.loads(report.read_text()), "checkpoint_hash": "d" * 64}))
     got = summarize.summarize(out, base_from=RESULTS / "summary.json")
     assert [r["arm"] for r in got["base"]] == ["base_nvfp4_gptq"]
+
+
+V2 = ROOT / "experiments" / "qwen05_gsm8k_v2" / "results"
+V2_THREE_SEED_ARMS = ("bf16", "nvfp4_aqn_gptq")
+
+
+def test_recipe_2_summary_is_recomputed_from_its_committed_runs(summarize, tmp_path, monkeypatch):
+    """Recipe 2's summary, base rows taken from recipe 1's summary by checkpoint hash, as committed."""
+    monkeypatch.chdir(ROOT)  # the committed rows name the base summary by its path from the repository root
+    committed_v2 = json.loads((V2 / "summary.json").read_text())
+    out = tmp_path / "results"
+    shutil.copytree(V2 / "runs", out / "runs")
+    got = summarize.summarize(out, "qwen05_gsm8k_v2", Path("experiments/qwen05_gsm8k/results/summary.json"))
+    assert got == committed_v2
+    for arm in V2_THREE_SEED_ARMS:
+        assert committed_v2["per_arm"][arm]["seeds"] == [0, 1, 2], arm
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/results_qwen05_gsm8k.md", "experiments/qwen05_gsm8k_v2/README.md"])
+def test_docs_quote_recipe_2s_three_seed_means(doc):
+    committed_v2 = json.loads((V2 / "summary.json").read_text())
+    text = (ROOT / doc).read_text()
+    for arm in V2_THREE_SEED_ARMS:
+        a = committed_v2["per_arm"][arm]
+        quoted = f"{a['greedy_acc']:.3f} ± {a['greedy_acc_std']:.3f} / {a['pass1']:.3f} ± {a['pass1_std']:.3f}"
+        assert quoted in text, f"{doc}: {arm} should quote {quoted} (qwen05_gsm8k_v2/results/summary.json)"

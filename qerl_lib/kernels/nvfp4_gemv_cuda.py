@@ -174,18 +174,17 @@ def repack_codes(packed: torch.Tensor, rows_per_step: int = 4096) -> torch.Tenso
     """The codes of `packed` uint8 [N, K/2] (compressed-tensors: byte p of each 4-byte word holds codes
     2p (low nibble) and 2p + 1) in the repacked layout the kernel decodes with fewer integer
     instructions (`nvfp4_gemv(..., config={"repacked": True})`; csrc/nvfp4_gemv.cuh `repack_word`):
-    per word, magnitudes of the even codes at bits 3p..3p+2, their signs at 12 + (p ^ 1), magnitudes of
-    the odd codes at 16 + 3p.., their signs at 28 + (p ^ 1). Same shape, dtype and device; a bijection, done on
+    per word, magnitudes of the even codes at bits 3p..3p+2, their signs at 12 + p, magnitudes of the
+    odd codes at 16 + 3p.., their signs at 28 + p. Same shape, dtype and device; a bijection, done on
     the tensor's device `rows_per_step` rows at a time (int64 temporaries: 16 bytes per code byte)."""
     _check_code_words(packed, "repack_codes")
     out = torch.empty_like(packed, memory_format=torch.contiguous_format)
     p = torch.arange(4, device=packed.device, dtype=torch.int64)
-    sign = 12 + (p ^ 1)
     for r0 in range(0, packed.shape[0], rows_per_step):
         b = packed[r0:r0 + rows_per_step].reshape(-1, packed.shape[1] // 4, 4).to(torch.int64)
         lo, hi = b & 15, b >> 4
-        word = (((lo & 7) << (3 * p)) | ((lo >> 3) << sign) | ((hi & 7) << (16 + 3 * p))
-                | ((hi >> 3) << (16 + sign))).sum(-1)  # the fields are disjoint: sum == or
+        word = (((lo & 7) << (3 * p)) | ((lo >> 3) << (12 + p)) | ((hi & 7) << (16 + 3 * p))
+                | ((hi >> 3) << (28 + p))).sum(-1)  # the fields are disjoint: sum == or
         parts = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8)
         out[r0:r0 + rows_per_step] = parts.reshape(-1, packed.shape[1])
     return out
@@ -196,13 +195,12 @@ def unrepack_codes(repacked: torch.Tensor, rows_per_step: int = 4096) -> torch.T
     _check_code_words(repacked, "unrepack_codes")
     out = torch.empty_like(repacked, memory_format=torch.contiguous_format)
     p = torch.arange(4, device=repacked.device, dtype=torch.int64)
-    sign = 12 + (p ^ 1)
     shifts = 8 * torch.arange(4, device=repacked.device, dtype=torch.int64)
     for r0 in range(0, repacked.shape[0], rows_per_step):
         b = repacked[r0:r0 + rows_per_step].reshape(-1, repacked.shape[1] // 4, 4).to(torch.int64)
         word = (b << shifts).sum(-1, keepdim=True)  # [rows, K/8, 1], bytes little-endian
-        lo = ((word >> (3 * p)) & 7) | (((word >> sign) & 1) << 3)
-        hi = ((word >> (16 + 3 * p)) & 7) | (((word >> (16 + sign)) & 1) << 3)
+        lo = ((word >> (3 * p)) & 7) | (((word >> (12 + p)) & 1) << 3)
+        hi = ((word >> (16 + 3 * p)) & 7) | (((word >> (28 + p)) & 1) << 3)
         out[r0:r0 + rows_per_step] = (lo | (hi << 4)).to(torch.uint8).reshape(-1, repacked.shape[1])
     return out
 

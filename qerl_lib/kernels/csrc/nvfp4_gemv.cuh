@@ -249,45 +249,33 @@ QG_HD void scale_pair(uint32_t s2, uint32_t& lo, uint32_t& hi) {
 // The compressed-tensors word (bytes p = 0..3, byte p = two codes: low nibble n_2p, high n_2p+1) costs
 // the decode a PRMT and three more integer instructions per pair, all on the SM's integer pipe, which
 // runs at half the issue rate and bounds the kernel at one row (docs/gpu.md, session 13). The repacked
-// word holds the same 8 codes with magnitude and sign apart:
-//   bits 3p .. 3p+2: magnitude (e1 e0 m) of n_2p       bit 12 + (p ^ 1): its sign
-//   bits 16+3p .. 16+3p+2: magnitude of n_2p+1         bit 28 + (p ^ 1): its sign
-// The signs of pairs 0/1 and 2/3 trade places (session 24; before, pair p's sign sat at 12 + p), so that
-// for bf16 (magnitude to bits 6..8, sign to 15) pair 2 is already in place (one LOP3) and pair 1's
-// magnitude and sign move by the same shift (one shift and one LOP3); pairs 0 and 3 take two shifts and
-// two LOP3. 11 instructions per word, 6 of them on the integer pipe, against 14 and 8 before; an
-// exhaustive search over every placement of the 16 bits finds none cheaper for bf16 (docs/gpu.md,
-// session 24). fp16 (magnitude to 9..11) takes 14, one more than before. Shifts by a constant go to the
-// FMA pipe (IMAD.SHL / IMAD.HI). qerl_lib.kernels.nvfp4_gemv_cuda.repack_codes writes the same layout.
-QG_HD constexpr int sign_bit(int p) { return 12 + (p ^ 1); }
-
+// word holds the same 8 codes with magnitude and sign apart, placed so that one shift each brings a
+// pair's two magnitudes and two signs to their 16-bit float positions:
+//   bits 3p .. 3p+2: magnitude (e m m) of n_2p     bit 12 + p: its sign
+//   bits 16+3p .. 16+3p+2: magnitude of n_2p+1     bit 28 + p: its sign
+// Shifts by a constant go to the FMA pipe (IMAD.SHL / IMAD.HI), so a pair costs two integer
+// instructions (two LOP3) instead of four. qerl_lib.kernels.nvfp4_gemv_cuda.repack_codes writes it.
 QG_HD uint32_t repack_word(uint32_t q) {
   uint32_t r = 0;
   for (int p = 0; p < 4; ++p) {
     const uint32_t lo = (q >> (8 * p)) & 15u, hi = (q >> (8 * p + 4)) & 15u;
-    r |= (lo & 7u) << (3 * p) | (lo >> 3) << sign_bit(p);
-    r |= (hi & 7u) << (16 + 3 * p) | (hi >> 3) << (16 + sign_bit(p));
+    r |= (lo & 7u) << (3 * p) | (lo >> 3) << (12 + p) | (hi & 7u) << (16 + 3 * p) | (hi >> 3) << (28 + p);
   }
   return r;
-}
-
-// r shifted left by `up` bits (right when negative); a right shift by a constant as IMAD.HI, on the FMA pipe.
-QG_HD uint32_t shift_bits(uint32_t r, int up) {
-#ifdef __CUDA_ARCH__
-  return up >= 0 ? r << up : __umulhi(r, 1u << (32 + up));
-#else
-  return up >= 0 ? r << up : r >> -up;
-#endif
 }
 
 // decode_pair's bits for pair p (0..3) of a repacked word: magnitudes to bf16 bits 8..6 (fp16 11..9),
 // signs to bit 15 of each half.
 template <bool BF16>
 QG_HD uint32_t decode_pair_repacked(uint32_t r, int p) {
-  const int up_mag = (BF16 ? 6 : 9) - 3 * p, up_sign = 15 - sign_bit(p);
-  const uint32_t mag_mask = BF16 ? 0x01C001C0u : 0x0E000E00u;
-  if (up_mag == up_sign) return shift_bits(r, up_mag) & (mag_mask | 0x80008000u);
-  return (shift_bits(r, up_mag) & mag_mask) | (shift_bits(r, up_sign) & 0x80008000u);
+  const int up = (BF16 ? 6 : 9) - 3 * p;  // bf16: 6, 3, 0, -3; fp16: 9, 6, 3, 0
+#ifdef __CUDA_ARCH__
+  const uint32_t mag = up >= 0 ? r << up : __umulhi(r, 1u << (32 + up));  // IMAD.HI: a right shift on the FMA pipe
+#else
+  const uint32_t mag = up >= 0 ? r << up : r >> -up;
+#endif
+  const uint32_t sign = r << (3 - p);
+  return (mag & (BF16 ? 0x01C001C0u : 0x0E000E00u)) | (sign & 0x80008000u);
 }
 
 // A fragment of step j (0..7): {row g k-slots 2t,2t+1; row g+8 same; row g slots 2t+8,2t+9; row g+8 same}.
