@@ -19,7 +19,7 @@ PRMT, multiply or funnel-shift tricks); the compiled counts are `benchmarks/nvfp
 The shipped layout (session 16: pair p's sign at bit 12 + p) costs bf16 14 per word; the search's
 cheapest for bf16 costs 11 (the shipped one with the signs of pairs 0/1 and 2/3 swapped). That
 variant was built and timed in session 24 and not kept: 8 % fewer instructions per MMA step in the
-machine code, but 0.9 % slower on DRAM-resident weights on an H100 (1.5 % faster only on
+machine code, but 0.9 % slower on DRAM-resident weights on an H100 (1.4 % faster only on
 L2-resident ones); benchmarks/results/gemv_variants_session24/README.md has the figures.
 
     python benchmarks/repack_layout_search.py --out benchmarks/results/repack_layout_search.json

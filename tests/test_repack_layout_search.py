@@ -28,8 +28,9 @@ def _layout_of_repack_codes() -> list[tuple[int, ...]]:
         for b in range(4):
             positions = []
             for nibble in (0, 1):  # the pair's first code (low nibble of byte p), then its second
-                word = torch.tensor([(1 << b) << (8 * p + 4 * nibble)], dtype=torch.int64).to(torch.int32)
-                r = int(C.repack_codes(word.view(torch.uint8).reshape(1, 4)).view(torch.int32)) & 0xFFFFFFFF
+                word = torch.zeros(1, 4, dtype=torch.uint8)  # one little-endian word: byte p holds the pair
+                word[0, p] = (1 << b) << (4 * nibble)
+                r = int.from_bytes(C.repack_codes(word).numpy().tobytes(), "little")
                 assert r and r & (r - 1) == 0, "one code bit must give one repacked bit"
                 positions.append(r.bit_length() - 1)
             assert positions[1] == positions[0] + 16
