@@ -75,12 +75,6 @@ def _pareto(used: int) -> dict[tuple[int, int], tuple[tuple[int, ...], ...]]:
     return {k: v for k, v in res.items() if not any(o[0] <= k[0] and o[1] <= k[1] and o != k for o in res)}
 
 
-def _shown(path: Path) -> str:
-    """`path` as the command line would name it: from the repository root when it lies inside it."""
-    path = path.resolve()
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/repack_layout_search.json"))
@@ -89,7 +83,7 @@ def main() -> None:
     swapped = tuple((3 * p, 3 * p + 1, 3 * p + 2, 12 + (p ^ 1)) for p in range(4))  # session 24's variant
     pareto = [{"bf16": b, "fp16": f, "layout": [list(c) for c in lay]} for (b, f), lay in sorted(_pareto(0).items())]
     res = {
-        "command": "python benchmarks/repack_layout_search.py --out " + _shown(Path(args.out)),
+        "command": "python benchmarks/repack_layout_search.py " + " ".join(sys.argv[1:]),
         "model": "per code: (distinct nonzero shifts) + (distinct shifts) LOP3; per word: 4 codes (x2 halves)",
         "pareto": pareto,
         "shipped": {"layout": [list(c) for c in shipped], "bf16": layout_cost(shipped, "bf16"),
