@@ -228,11 +228,11 @@ EOF
 # ---------------------------------------------------------------------------------------------
 # Issue 16 on the H200: experiments/qwen05_gsm8k (QWEN_EXPERIMENT: another folder of experiments/ holding
 # the same arm configs, e.g. a changed recipe), calls back to back (/tmp lives only while warm):
-#   1  carry .device/vllm/a .device/exp/w .device/snap.tgz
-#                                              bash .device/vllm/a/install.sh; bash scripts/device_experiment.sh keep-w
-#   2  carry .device/vllm/b .device/exp/g     bash .device/vllm/b/install.sh && bash scripts/device_experiment.sh keep-w
-#        (not p0 as well: with the repository's own files that passed the 64 MiB a call carries, session 11)
-#   3-12 carry .device/qwen05/pN, N = 0..9     bash scripts/device_experiment.sh qwen05
+#   1  carry .device/vllm/a .device/snap.tgz  bash .device/vllm/a/install.sh; bash scripts/device_experiment.sh keep-w
+#   2  carry .device/vllm/b .device/exp/w     bash .device/vllm/b/install.sh && bash scripts/device_experiment.sh keep-w
+#   3  carry .device/qwen05/p0 .device/exp/g  bash scripts/device_experiment.sh keep-w && bash scripts/device_experiment.sh qwen05
+#        (a call carries 64 MiB with the tracked files, 11.3 MiB: vLLM's pieces are 49 and 43 MiB, w 5.0 and g 4.7)
+#   4-12 carry .device/qwen05/pN, N = 1..9     bash scripts/device_experiment.sh qwen05
 #        (the last piece joins the GGUF and checks its sha256)
 #   12, same call, from the frozen code:     cd /tmp/qerl-exp/src && bash scripts/device_experiment.sh qwen-convert
 #        (once: BF16, NVFP4, NF4; 69 s in session 16), then qwen-start and qwen-wait (below)

@@ -120,7 +120,7 @@ def test_a_gptq_arm_has_its_own_base(summarize, tmp_path):
 
 
 V2 = ROOT / "experiments" / "qwen05_gsm8k_v2" / "results"
-V2_THREE_SEED_ARMS = ("bf16", "nvfp4_aqn_gptq")
+V2_THREE_SEED_ARMS = ("bf16", "nvfp4_aqn_gptq", "nvfp4_gptq")
 
 
 def test_recipe_2_summary_is_recomputed_from_its_committed_runs(summarize, tmp_path, monkeypatch):
