@@ -33,6 +33,9 @@
 #                                              cache ($QERL_CACHE_DIR/models/<sha256>.gguf, QERL_CACHE_DIR
 #                                              = /tmp/qerl-exp/cache in exp_env), where model.base=
 #                                              qwen2.5-coder-0.5b finds it without the packages.
+# The 1.5B (model.base: qwen2.5-coder-1.5b, 1,117,320,768 B, the `qwen15` extra) travels the same way as
+# 22 pieces: QWEN_MODEL=qwen2.5-coder-1.5b QWEN_PIECES=.device/qwen15 for pack-qwen05 here, and
+# QWEN_PIECES=.device/qwen15 for each qwen05 call there (experiments/qwen15_gsm8k/README.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 cmd=${1:-help}
@@ -41,6 +44,8 @@ OUT=${OUT:-/tmp/qerl-out}
 EXP=/tmp/qerl-exp
 QWEN_PIECE_MAX=${QWEN_PIECE_MAX:-55000000}  # bytes per Qwen piece: the working tree (7.7 MB in session 9) + margin
 QWEN_FIRST=${QWEN_FIRST:-9000000}  # bytes of Qwen piece p0 (sized to ride with vLLM's piece b; since session 11 it has a call of its own)
+QWEN_MODEL=${QWEN_MODEL:-qwen2.5-coder-0.5b}  # which packaged GGUF pack-qwen05 cuts (qerl_lib.registry_models)
+QWEN_PIECES=${QWEN_PIECES:-.device/qwen05}  # where its pieces go here and are read there; its name tags the stash
 PIECE_BYTES=(58000000 36000000)  # GGUF bytes in pieces a and b (c: the rest): a leaves 9 MB of the 64 MiB carry for the working tree
 
 exp_env() {
@@ -166,60 +171,62 @@ EOF
 
 pack_qwen05() {
   local py=${PYTHON:-.venv/bin/python}
-  QWEN_PIECE_MAX=$QWEN_PIECE_MAX QWEN_FIRST=$QWEN_FIRST "$py" - <<'EOF'
+  QWEN_PIECE_MAX=$QWEN_PIECE_MAX QWEN_FIRST=$QWEN_FIRST QWEN_MODEL=$QWEN_MODEL QWEN_PIECES=$QWEN_PIECES "$py" - <<'EOF'
 import json, math, os, shutil
 from pathlib import Path
 from qerl_lib.registry_models import PACKAGED_MODELS, packaged_gguf_path
-m = PACKAGED_MODELS["qwen2.5-coder-0.5b"]
+m = PACKAGED_MODELS[os.environ["QWEN_MODEL"]]
 gguf = packaged_gguf_path(m.name, verify=True)  # joins the installed parts on first use; full hash here
 # p0 is small (QWEN_FIRST bytes), sized to ride with vLLM's piece b; since session 11 it travels on a call of its own.
 first = int(os.environ["QWEN_FIRST"])
 n = math.ceil((m.size - first) / int(os.environ["QWEN_PIECE_MAX"]))
 step = math.ceil((m.size - first) / n)
 sizes = [first] + [step] * n
-root = Path(".device/qwen05")
+root = Path(os.environ["QWEN_PIECES"])
+tag = root.name
 shutil.rmtree(root, ignore_errors=True)
-names = [f"qwen05.gguf.part{i:02d}" for i in range(len(sizes))]
+names = [f"{tag}.gguf.part{i:02d}" for i in range(len(sizes))]
 manifest = {"model": m.name, "size": m.size, "sha256": m.sha256, "pieces": names}
 with open(gguf, "rb") as f:
     for i, name in enumerate(names):
         d = root / f"p{i}"
         d.mkdir(parents=True)
         (d / name).write_bytes(f.read(sizes[i]))
-        (d / "qwen05.manifest.json").write_text(json.dumps(manifest) + "\n")
+        (d / f"{tag}.manifest.json").write_text(json.dumps(manifest) + "\n")
 for d in sorted(root.iterdir()):
     print(d, sum(p.stat().st_size for p in d.rglob("*") if p.is_file()), "bytes")
 EOF
 }
 
 qwen05() {
-  local s=$EXP/stash/qwen05 d
+  local tag=${QWEN_PIECES##*/} d
+  local s=$EXP/stash/$tag
   mkdir -p $s
-  for d in .device/qwen05/*/; do
+  for d in "$QWEN_PIECES"/*/; do
     [ -d "$d" ] && cp "$d"* $s/
   done
   exp_env
-  python3 - "$s" <<'EOF'
+  python3 - "$s" "$tag" <<'EOF'
 import json, sys
 from pathlib import Path
 from qerl_lib.io import atomic_path
 from qerl_lib.registry_models import PACKAGED_MODELS, cache_dir, join_parts
-stash = Path(sys.argv[1])
-man = json.loads((stash / "qwen05.manifest.json").read_text())
+stash, tag = Path(sys.argv[1]), sys.argv[2]
+man = json.loads((stash / f"{tag}.manifest.json").read_text())
 m = PACKAGED_MODELS[man["model"]]
 assert (man["size"], man["sha256"]) == (m.size, m.sha256), "manifest does not match the pinned model"
 dest = cache_dir() / f"{m.sha256}.gguf"
 if dest.is_file() and dest.stat().st_size == m.size:
-    print(f"qwen05: {dest} in place"); sys.exit(0)
+    print(f"{tag}: {dest} in place"); sys.exit(0)
 missing = [p for p in man["pieces"] if not (stash / p).is_file()]
 if missing:
-    print(f"qwen05: {len(man['pieces']) - len(missing)}/{len(man['pieces'])} pieces stashed; carry the rest "
+    print(f"{tag}: {len(man['pieces']) - len(missing)}/{len(man['pieces'])} pieces stashed; carry the rest "
           f"({', '.join(missing)})"); sys.exit(0)
 with atomic_path(dest) as tmp:
     size, digest = join_parts([stash / p for p in man["pieces"]], tmp)
     if (size, digest) != (m.size, m.sha256):
-        sys.exit(f"qwen05: pieces join to {size} B sha256 {digest}, expected {m.size} B sha256 {m.sha256}")
-print(f"qwen05: joined {size} B, sha256 {digest} ok -> {dest}")
+        sys.exit(f"{tag}: pieces join to {size} B sha256 {digest}, expected {m.size} B sha256 {m.sha256}")
+print(f"{tag}: joined {size} B, sha256 {digest} ok -> {dest}")
 for p in man["pieces"]:
     (stash / p).unlink()  # /tmp is small: keep one copy
 EOF
@@ -310,6 +317,7 @@ qwen_convert() {  # once: GGUF -> models/base (BF16 HF) -> models/bf16 and model
   qwen_convert_bf16 || return 7
   local q
   for q in nvfp4 nf4; do  # nf4's "conversion" is a copy of the 16-bit checkpoint (vLLM quantizes it as it loads)
+    [ -f "$(qwen_cfg $q)" ] || continue  # an experiment without that arm (qwen15_gsm8k) needs no such template
     qwen_convert_from_base "$q" "$q" || return 7
   done
   echo "qwen convert: done in $((SECONDS - t0)) s"; du -sh $t/*/models/*

@@ -275,3 +275,15 @@ def test_qwen05_gsm8k_v2_changes_only_the_recipe():
         # micro-batches only group the rows whose gradients accumulate; the loss normalisers are the
         # whole mini-batch's (tests/test_micro_batching.py), so 16 rows at a time is the same update
         assert (one[("optim", "micro_batch_size")], two[("optim", "micro_batch_size")]) == (8, 16), path.name
+
+
+def test_qwen15_gsm8k_is_recipe_2_on_the_1_5b():
+    """experiments/qwen15_gsm8k: issue 16's 1.5B arms are recipe 2's arms of the same name with only the model
+    changed, so the 1.5B's figures compare with the 0.5B's under one recipe."""
+    exp, v2 = ROOT / "experiments" / "qwen15_gsm8k", ROOT / "experiments" / "qwen05_gsm8k_v2"
+    assert sorted(p.stem for p in exp.glob("*.yaml")) == ["bf16", "nvfp4_aqn_gptq"]
+    for path in sorted(exp.glob("*.yaml")):
+        one, two = _flat_config(v2 / path.name), _flat_config(path)
+        assert {k for k in one if one[k] != two[k]} == {("run", "root"), ("model", "base")}, path.name
+        assert two[("model", "base")] == "qwen2.5-coder-1.5b", path.name
+        assert two[("run", "root")] == f"runs/qwen15_gsm8k/{path.stem}/seed0", path.name

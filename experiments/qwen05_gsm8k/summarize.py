@@ -248,12 +248,17 @@ def summarize(out: Path, experiment: str = DEFAULT_EXPERIMENT, base_from: Path |
             "runs_made_by": "results/runs/*/seed*/*.json: their `command`"}
 
 
-def recipe(experiment: str) -> tuple[int, int]:
-    """(RL steps, samples per step) of `experiments/<experiment>`, from its `nvfp4_aqn.yaml`."""
+def recipe(experiment: str) -> tuple[int, int, str]:
+    """(RL steps, samples per step, model title) of `experiments/<experiment>`, from its `bf16.yaml` (every
+    experiment has that arm; its arms share steps, batch and model: tests/test_qwen_packages.py)."""
     import yaml
 
-    cfg = yaml.safe_load((EXPERIMENTS / experiment / "nvfp4_aqn.yaml").read_text())
-    return cfg["run"]["steps"], cfg["rollout"]["prompts_per_step"] * cfg["rollout"]["group_size"]
+    from qerl_lib.registry_models import PACKAGED_MODELS
+
+    cfg = yaml.safe_load((EXPERIMENTS / experiment / "bf16.yaml").read_text())
+    base = cfg["model"]["base"]
+    title = PACKAGED_MODELS[base].title.removesuffix(" Q4_K_M GGUF") if base in PACKAGED_MODELS else base
+    return cfg["run"]["steps"], cfg["rollout"]["prompts_per_step"] * cfg["rollout"]["group_size"], title
 
 
 def plot(out: Path, arms: list[str], experiment: str = DEFAULT_EXPERIMENT) -> None:
@@ -262,7 +267,7 @@ def plot(out: Path, arms: list[str], experiment: str = DEFAULT_EXPERIMENT) -> No
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps, samples = recipe(experiment)
+    steps, samples, model = recipe(experiment)
     keys = [("reward_mean", f"training reward (mean of the step's {samples} samples)"), ("entropy", "entropy (nats/token)"),
             ("kl", "KL to the base (measured, not penalized)"), ("correct_rate", "correct rate of the samples")]
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
@@ -285,7 +290,7 @@ def plot(out: Path, arms: list[str], experiment: str = DEFAULT_EXPERIMENT) -> No
         ax.set_xlabel("RL step")
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=8)
-    fig.suptitle(f"Qwen2.5-Coder-0.5B-Instruct on GSM8K, {steps} steps x {samples} samples (experiments/{experiment})")
+    fig.suptitle(f"{model} on GSM8K, {steps} steps x {samples} samples (experiments/{experiment})")
     fig.tight_layout()
     fig.savefig(out / "curves.png", dpi=110)
 
@@ -299,8 +304,8 @@ def main() -> None:
                     help="another experiment's summary.json whose base rows stand for bases these runs did not evaluate")
     ap.add_argument("--out", type=Path, default=None, help="default: experiments/EXPERIMENT/results")
     args = ap.parse_args()
-    if not (EXPERIMENTS / args.experiment / "nvfp4_aqn.yaml").is_file():
-        ap.error(f"--experiment {args.experiment}: {EXPERIMENTS / args.experiment} holds no nvfp4_aqn.yaml")
+    if not (EXPERIMENTS / args.experiment / "bf16.yaml").is_file():
+        ap.error(f"--experiment {args.experiment}: {EXPERIMENTS / args.experiment} holds no bf16.yaml")
     out = args.out or EXPERIMENTS / args.experiment / "results"
     out.mkdir(parents=True, exist_ok=True)
     collect(args.archive, out, args.experiment)
