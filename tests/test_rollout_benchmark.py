@@ -105,3 +105,15 @@ def test_cell_deadline_shares_the_time_left_after_later_engines_start():
     # the last engine takes all that is left, and no engine runs past the deadline
     assert rt.cell_deadline(100.0, 500.0, 0, 50.0, need) == 500.0
     assert rt.cell_deadline(300.0, 310.0, 0, 50.0, need) == 310.0
+
+
+def test_an_engines_first_cell_is_held_only_to_the_runs_deadline():
+    """Session 25: the share promised the first cell, the adapter load spent its margin, and two engines up
+    with 208 and 80 s left measured nothing. The first cell now runs while the run's deadline allows it."""
+    need = rt.cell_need(1, 3, 512)
+    share_end = rt.cell_deadline(100.0, 330.0, 2, 110.0, need)
+    assert share_end == pytest.approx(100.0 + need)  # no share left: only the first cell's time
+    later = 100.0 + 2.0  # the adapter load took 2 s
+    assert rt.cell_fits(later, need, share_end, 330.0, first=True)
+    assert not rt.cell_fits(later, need, share_end, 330.0, first=False)
+    assert not rt.cell_fits(330.0 - need + 1.0, need, 330.0, 330.0, first=True)  # never past the run's deadline
