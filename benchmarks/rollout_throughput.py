@@ -166,7 +166,7 @@ def cell_deadline(now: float, deadline: float, engines_after: int, startup_s: fl
 def cell_fits(now: float, need_s: float, cell_deadline_s: float, run_deadline_s: float, first: bool) -> bool:
     """Whether a cell of `need_s` seconds starts now. An engine's first cell is held only to the run's
     deadline: its share (`cell_deadline`) promised it that cell, but the adapter load between the share and
-    the cell can spend the margin (session 25: two engines up, 208 and 80 s left, no cell measured)."""
+    the cell can spend the margin (session 25: two engines up, about 190 and 50 s left, no cell measured)."""
     return now + need_s <= (run_deadline_s if first else cell_deadline_s)
 
 

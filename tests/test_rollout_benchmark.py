@@ -109,7 +109,7 @@ def test_cell_deadline_shares_the_time_left_after_later_engines_start():
 
 def test_an_engines_first_cell_is_held_only_to_the_runs_deadline():
     """Session 25: the share promised the first cell, the adapter load spent its margin, and two engines up
-    with 208 and 80 s left measured nothing. The first cell now runs while the run's deadline allows it."""
+    with about 190 and 50 s left measured nothing. The first cell now runs while the run's deadline allows it."""
     need = rt.cell_need(1, 3, 512)
     share_end = rt.cell_deadline(100.0, 330.0, 2, 110.0, need)
     assert share_end == pytest.approx(100.0 + need)  # no share left: only the first cell's time
