@@ -181,7 +181,7 @@ def run_engine(args) -> None:
     out_path = work / f"engine-{args.child}.json"
     loras = [int(x) for x in args.loras.split(",")] if args.loras else ([rank, 0] if rank == 16 else [rank])
     batches = [int(b) for b in args.batches.split(",")]
-    deadline = run_deadline = float(args.deadline)
+    run_deadline = float(args.deadline)
     result = {"spec": args.child, "format": fmt, "max_lora_rank": rank, "lora_dual_stream": dual, "gemv_pdl": pdl,
               "gemv_repacked": repack,
               "cells": [], "skipped": []}
@@ -212,8 +212,8 @@ def run_engine(args) -> None:
     print(f"[{args.child}] engine up in {eng.stats.startup_seconds:.1f} s: {result['linear_info']}", flush=True)
     save()
     first = cell_need(batches[0], args.trials_large if batches[0] >= args.large_batch else args.trials, args.decode)
-    deadline = cell_deadline(time.time(), deadline, args.engines_after, eng.stats.startup_seconds, first)
-    result["cell_deadline_in_s"] = round(deadline - time.time(), 1)
+    share_end = cell_deadline(time.time(), run_deadline, args.engines_after, eng.stats.startup_seconds, first)
+    result["cell_deadline_in_s"] = round(share_end - time.time(), 1)
     gen = torch.Generator().manual_seed(1234)
 
     def prompts(b):
@@ -226,7 +226,7 @@ def run_engine(args) -> None:
         for b in batches:
             trials = args.trials_large if b >= args.large_batch else args.trials
             need = cell_need(b, trials, args.decode)
-            if not cell_fits(time.time(), need, deadline, run_deadline, first=not result["cells"]):
+            if not cell_fits(time.time(), need, share_end, run_deadline, first=not result["cells"]):
                 result["skipped"].append({"lora_rank": lora, "batch": b, "reason": f"deadline ({need:.0f} s needed)"})
                 print(f"[{args.child}] skip lora {lora} batch {b}: deadline", flush=True)
                 continue

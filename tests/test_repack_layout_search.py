@@ -2,21 +2,15 @@
 `repack_codes` writes, it costs the bf16 decode 14 instructions per word, and the cheapest placement
 (the variant timed and not kept in session 24) costs 11."""
 
-import importlib.util
+import sys
 from pathlib import Path
 
 import torch
 
 from qerl_lib.kernels import nvfp4_gemv_cuda as C
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _search():
-    spec = importlib.util.spec_from_file_location("repack_layout_search", ROOT / "benchmarks/repack_layout_search.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import repack_layout_search as search  # noqa: E402
 
 
 def _layout_of_repack_codes() -> list[tuple[int, ...]]:
@@ -40,7 +34,6 @@ def _layout_of_repack_codes() -> list[tuple[int, ...]]:
 
 
 def test_shipped_layout_and_the_cheapest_placement():
-    search = _search()
     layout = _layout_of_repack_codes()
     assert layout == [(3 * p, 3 * p + 1, 3 * p + 2, 12 + p) for p in range(4)]
     assert (search.layout_cost(tuple(layout), "bf16"), search.layout_cost(tuple(layout), "fp16")) == (14, 13)
