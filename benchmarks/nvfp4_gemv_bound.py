@@ -20,6 +20,10 @@ weights, replayed from one CUDA graph, as there), in ms per decode step:
 - `gemv_ring` / `gemv_ring_l2_resident`: the repacked kernel with config `ring`: U chunks' loads in
   flight all the time (a slot is refilled as soon as its chunk is computed) instead of round by round.
   Checked bit-equal to `gemv_repacked` first.
+- `gemv_pipe` / `gemv_pipe2` (and `_l2_resident`): the repacked kernel with config `loop` "pipe" / "pipe2":
+  two sets of U / 2 (U) chunks' codes in registers, one set computing while the other's loads are in
+  flight, the bounds checks made per set (csrc/nvfp4_gemv.cu `pipe_loop`). Checked bit-equal to
+  `gemv_repacked` first, at the repacked plan's WK.
 
 If `gemv` sits near `gemv_l2_resident`, the kernel is bound by its instructions; near `read_pattern`,
 by its access pattern; `read_contiguous` is the bound any layout could reach. Shares of the
@@ -134,6 +138,7 @@ void contiguous(torch::Tensor codes, torch::Tensor scales, int64_t blocks, torch
 
 
 RING = {"repacked": True, "ring": True}
+LOOPS = {"ring": RING, "pipe": {"repacked": True, "loop": "pipe"}, "pipe2": {"repacked": True, "loop": "pipe2"}}
 
 
 def main() -> None:
@@ -144,6 +149,7 @@ def main() -> None:
     ap.add_argument("--once", action="store_true", help="one eager GEMV per layer and group, then exit (profilers)")
     ap.add_argument("--groups", default=",".join(GROUPS), help="with --once: the groups to run")
     ap.add_argument("--config", default="{}", help="with --once: the GEMV's config as JSON, e.g. '{\"WK\": 2}'")
+    ap.add_argument("--arms", default="", help="comma-separated arms to time (default: all; module docstring)")
     args = ap.parse_args()
 
     import torch
@@ -199,20 +205,32 @@ def main() -> None:
             "gemv_repacked": lambda: [C.nvfp4_gemv(x, p, s, gs, config={"repacked": True}) for p, s in ls_r],
             "gemv_repacked_l2_resident": lambda: [C.nvfp4_gemv(x, p, s, gs, config={"repacked": True})
                                                   for p, s in one_r],
-            "gemv_ring": lambda: [C.nvfp4_gemv(x, p, s, gs, config=RING) for p, s in ls_r],
-            "gemv_ring_l2_resident": lambda: [C.nvfp4_gemv(x, p, s, gs, config=RING) for p, s in one_r],
         }
-        # at one WK the ring computes the same chunks in the same order: the same bits (its own plan may pick
+        for loop, cfg in LOOPS.items():  # default arguments bind this iteration's config
+            arms[f"gemv_{loop}"] = lambda cfg=cfg: [C.nvfp4_gemv(x, p, s, gs, config=cfg) for p, s in ls_r]
+            arms[f"gemv_{loop}_l2_resident"] = lambda cfg=cfg: [C.nvfp4_gemv(x, p, s, gs, config=cfg) for p, s in one_r]
+        if args.arms:
+            unknown = set(args.arms.split(",")) - set(arms)
+            if unknown:
+                raise SystemExit(f"--arms: unknown {sorted(unknown)}; known: {sorted(arms)}")
+            arms = {a: f for a, f in arms.items() if a in args.arms.split(",")}
+        # at one WK every loop computes the same chunks in the same order: the same bits (its own plan may pick
         # another WK, its registers being more: gate|up WK 8 against 2 at 118 / 103 registers, another sum order)
         pin = {"WR": 1, "WK": C.plan(1, n, k, sms, C.kernel_regs(True, 1, True, True))["WK"]}
-        for p, s in ls_r[:2]:
-            a = C.nvfp4_gemv(x, p, s, gs, config={"repacked": True, **pin})
-            b = C.nvfp4_gemv(x, p, s, gs, config={**RING, **pin})
-            if not torch.equal(a, b):
-                raise SystemExit(f"{g}: ring and round-by-round differ by up to {(a.float() - b.float()).abs().max()}")
+        for loop, cfg in LOOPS.items():
+            wk_pin = min(pin["WK"], C.MAX_WARPS_PIPE2) if loop == "pipe2" else pin["WK"]
+            for p, s in ls_r[:2]:
+                a = C.nvfp4_gemv(x, p, s, gs, config={"repacked": True, "WR": 1, "WK": wk_pin})
+                b = C.nvfp4_gemv(x, p, s, gs, config={**cfg, "WR": 1, "WK": wk_pin})
+                if not torch.equal(a, b):
+                    raise SystemExit(f"{g}: {loop} and round-by-round differ by up to "
+                                     f"{(a.float() - b.float()).abs().max()}")
         nbytes = args.layers * (n * k // 2 + n * k // 16)
         step_bytes += nbytes
-        row = {"N": n, "K": k, "plan": f"WR{plan['WR']}xWK{wk}", "bytes_per_step": nbytes, "ms": {}, "share": {}}
+        row = {"N": n, "K": k, "plan": f"WR{plan['WR']}xWK{wk}", "bytes_per_step": nbytes, "ms": {}, "share": {},
+               "loop_plans": {loop: "WK%d" % C.plan(1, n, k, sms, C.kernel_regs(True, 1, True, True, C.loop_of(cfg)),
+                                                  C.MAX_WARPS_PIPE2 if loop == "pipe2" else C.MAX_WARPS)["WK"]
+                              for loop, cfg in LOOPS.items()}}
         for name, fn in arms.items():
             ms = round(graph_ms(fn, args.reps), 4)
             row["ms"][name] = ms

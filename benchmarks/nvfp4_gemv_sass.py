@@ -10,9 +10,10 @@ instructions the steady-state round issues, and how they load the pipes.
 It compiles `qerl_lib/kernels/csrc/nvfp4_gemv.cu` for sm_90 with the extension's own nvcc flags
 (`nvfp4_gemv_cuda.build_flags`, plus the defines torch's cpp_extension adds), disassembles the cubin
 with nvdisasm (`pip install nvidia-cuda-nvdisasm`, part of the `dev` extra; or `--nvdisasm PATH`), and
-for each `gemv_kernel<BF16, MT, ALIGNED, REPACKED, RING>` takes the basic block with the most HMMA, the full
+for each `gemv_kernel<BF16, MT, ALIGNED, REPACKED, LOOP>` takes the basic block with the most HMMA, the full
 round of the loop (U chunks of 8 MMA steps, U = 4 at one n-tile and 2 at two, bounds checks hoisted;
-with RING, whose refill loads branch per chunk, the block of one chunk or a few),
+with LOOP ring, whose refill loads branch per chunk, the block of one chunk or a few; with pipe / pipe2,
+the unchecked set of U / 2 / U chunks),
 with the loop's control around it (its head down to the branch into the round, and the latch back):
 where the time goes at 7B shapes (28-148 chunks of K per row tile, up to 20 per warp).
 
@@ -75,7 +76,8 @@ _LABEL = re.compile(r"^(\S+):\s*$")  # column 0: `.L_x_12:`, or an inlined subro
 _FUNC = re.compile(r"^\s*\.text\.(\S+):")
 _INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:(@!?U?P[T0-9])\s+)?([A-Z][A-Z0-9_.]*)(.*)$")
 _TARGET = re.compile(r"\(([^()\s]+)\)")
-_GEMV = re.compile(r"gemv_kernelILb(\d)ELi(\d)ELb(\d)ELb(\d)E(?:Lb(\d)E)?")
+_GEMV = re.compile(r"gemv_kernelILb(\d)ELi(\d)ELb(\d)ELb(\d)E(?:L([bi])(\d)E)?")
+LOOPS = ("rounds", "ring", "pipe", "pipe2")  # the K loop's template argument (csrc/nvfp4_gemv.h kRounds..)
 
 
 @dataclass(frozen=True)
@@ -193,9 +195,10 @@ def variant_of(name: str) -> dict | None:
     m = _GEMV.search(name)
     if not m:
         return None
-    bf16, mt, aligned, repacked, ring = m.groups()
+    bf16, mt, aligned, repacked, kind, loop = m.groups()
+    # the last argument: `bool RING` before the pipe loops (Lb), the loop's number since (Li)
     return {"bf16": bf16 == "1", "mt": int(mt), "aligned": aligned == "1", "repacked": repacked == "1",
-            "ring": ring == "1"}
+            "loop": LOOPS[int(loop or 0)]}
 
 
 def analyse(functions: dict[str, Function]) -> list[dict]:
@@ -226,7 +229,7 @@ def analyse(functions: dict[str, Function]) -> list[dict]:
 def compare_layouts(rows: list[dict]) -> list[dict]:
     """Repacked vs compressed-tensors codes for each (bf16, mt, aligned): the repacked round's counts per
     MMA step as fractions of the other's."""
-    by_key = {(r["bf16"], r["mt"], r["aligned"], r["repacked"]): r for r in rows if not r["ring"]}
+    by_key = {(r["bf16"], r["mt"], r["aligned"], r["repacked"]): r for r in rows if r["loop"] == "rounds"}
     out = []
     for (bf16, mt, aligned, repacked), base in sorted(by_key.items()):
         other = by_key.get((bf16, mt, aligned, True))
@@ -322,11 +325,11 @@ def main() -> None:
     res = {"command": "python benchmarks/nvfp4_gemv_sass.py " + " ".join(sys.argv[1:]), "arch": f"sm_{args.arch}",
            "tools": tools, "variants": rows, "repacked_over_compressed_tensors": compare_layouts(rows)}
     print("per MMA step of the full round:")
-    print(f"{'bf16':>5} {'mt':>2} {'aligned':>7} {'repacked':>8} {'ring':>5} {'steps':>5} {'instr':>6} "
+    print(f"{'bf16':>5} {'mt':>2} {'aligned':>7} {'repacked':>8} {'loop':>6} {'steps':>5} {'instr':>6} "
           + " ".join(f"{p:>9}" for p in PIPES[:5]) + f" {'cycles>=':>9} {'regs':>4} binding")
     for r in rows:
         st = r["per_step"]
-        print(f"{r['bf16']!s:>5} {r['mt']:>2} {r['aligned']!s:>7} {r['repacked']!s:>8} {r['ring']!s:>5} {r['mma_steps']:>5} "
+        print(f"{r['bf16']!s:>5} {r['mt']:>2} {r['aligned']!s:>7} {r['repacked']!s:>8} {r['loop']:>6} {r['mma_steps']:>5} "
               f"{st['instructions']:>6} " + " ".join(f"{st[p]:>9}" for p in PIPES[:5])
               + f" {st['cycles_lower_bound']:>9} {r.get('registers', '-'):>4} {r['binding']}")
     for c in res["repacked_over_compressed_tensors"]:

@@ -25,7 +25,7 @@
 #                                       kernels, then benchmarks/nvfp4_gemv.py (Triton, CUDA with both code
 #                                       layouts, Marlin, cuBLAS, LoRA stock and dual stream) -> $OUT/nvfp4_gemv.json
 #                                       (4.5 min in session 13, before the repacked arms)
-#   scripts/device_vllm.sh kernel-bound benchmarks/nvfp4_gemv_bound.py (the GEMV's reads and arithmetic apart,
+#   scripts/device_vllm.sh kernel-bound [ARGS] benchmarks/nvfp4_gemv_bound.py ARGS (the GEMV's reads and arithmetic apart,
 #                                       both code layouts) -> $OUT/nvfp4_gemv_bound.json; the next call after
 #                                       `kernels` (the built extension is cached in /tmp/qerl-cache)
 #   scripts/device_vllm.sh kernel-ncu [GROUPS] [CONFIG]
@@ -201,7 +201,7 @@ EOF
     ;;
   kernel-bound)
     kernel_env
-    timeout 300 python3 benchmarks/nvfp4_gemv_bound.py --out "$OUT/nvfp4_gemv_bound.json" 2>&1 | tee "$OUT/nvfp4_gemv_bound.log" | tail -20
+    timeout 300 python3 benchmarks/nvfp4_gemv_bound.py --out "$OUT/nvfp4_gemv_bound.json" "$@" 2>&1 | tee "$OUT/nvfp4_gemv_bound.log" | tail -20
     ;;
   kernel-ncu)
     kernel_env

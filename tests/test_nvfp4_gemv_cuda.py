@@ -65,8 +65,25 @@ def test_header_constants_match():
     consts = dict(re.findall(r"constexpr int (\w+) = (\d+);", header))
     assert int(consts["kMaxSlices"]) == C.MAX_SLICES and int(consts["kMaxWarps"]) == C.MAX_WARPS
     assert int(consts["kMaxRank"]) == C.MAX_RANK
-    # blocks of up to MAX_WARPS warps must be launchable: the kernel's launch bound says so
-    assert "__launch_bounds__(32 * kMaxWarps) gemv_kernel" in (C.CSRC / "nvfp4_gemv.cu").read_text()
+    assert int(consts["kMaxWarpsPipe2"]) == C.MAX_WARPS_PIPE2
+    # the K loops' numbers are LOOPS' order (the binding passes LOOPS.index(loop))
+    assert [int(consts[k]) for k in ("kRounds", "kRing", "kPipe", "kPipe2")] == list(range(len(C.LOOPS)))
+    # blocks of up to MAX_WARPS warps (MAX_WARPS_PIPE2 for pipe2) must be launchable: the launch bound says so
+    assert ("__launch_bounds__(LOOP == kPipe2 ? kMaxWarpsPipe2 * 32 : kMaxWarps * 32) gemv_kernel"
+            in (C.CSRC / "nvfp4_gemv.cu").read_text())
+
+
+def test_loop_configs():
+    """config `loop` names one of LOOPS; `ring: True` (the older switch) means the ring; anything else is refused
+    by name. pipe2's plan keeps its blocks within MAX_WARPS_PIPE2 warps."""
+    assert C.loop_of(None) == C.loop_of({}) == C.loop_of({"repacked": True}) == "rounds"
+    assert C.loop_of({"ring": True}) == "ring" and C.loop_of({"loop": "pipe2", "ring": True}) == "pipe2"
+    assert [C.loop_of({"loop": name}) for name in C.LOOPS] == list(C.LOOPS)
+    with pytest.raises(ValueError, match="'pipe3'"):
+        C.loop_of({"loop": "pipe3"})
+    # 64 chunks and one tile: 16 warps unless the variant's block limit says 8
+    assert C.plan(1, 16, 128 * 64, 132)["WK"] == 16
+    assert C.plan(1, 16, 128 * 64, 132, 168, max_warps=C.MAX_WARPS_PIPE2)["WK"] == 8
 
 
 def test_bad_inputs_fail_before_the_gpu():
@@ -280,9 +297,9 @@ def test_gpu_configs_agree():
 @needs_cuda
 @pytest.mark.parametrize("m", [1, 5, 8, 11, 16])
 def test_gpu_repacked_equals_compressed_tensors(m):
-    """The kernel on `repack_codes(packed)` with config repacked=True (and with ring=True) decodes the same
-    bits as on `packed` and runs the same MMAs in the same order: equal outputs bit for bit, at every WK (tail chunks, a
-    partial last chunk), misaligned code rows, fp16, with and without LoRA."""
+    """The kernel on `repack_codes(packed)` with config repacked=True (and with every K loop: ring, pipe, pipe2)
+    decodes the same bits as on `packed` and runs the same MMAs in the same order: equal outputs bit for bit, at every
+    WK (tail chunks, a partial last chunk, sets past K), misaligned code rows, fp16, with and without LoRA."""
     gen = torch.Generator().manual_seed(100 + m)
     for n, k, wk, dtype in ((4608, 3584, 4, torch.bfloat16), (3584, 18944, 8, torch.bfloat16),
                             (520, 2128, 2, torch.bfloat16), (64, 16 * 37, 3, torch.float16), (48, 256, 1, torch.float16)):
@@ -295,8 +312,10 @@ def test_gpu_repacked_equals_compressed_tensors(m):
             y = C.nvfp4_gemv(x, p, s, gs, None, *lora, config={"WR": 1, "WK": wk})
             y_r = C.nvfp4_gemv(x, r, s, gs, None, *lora, config={"WR": 1, "WK": wk, "repacked": True})
             assert torch.equal(y, y_r), (m, n, k, wk, bool(lora))
-            y_ring = C.nvfp4_gemv(x, r, s, gs, None, *lora, config={"WR": 1, "WK": wk, "repacked": True, "ring": True})
-            assert torch.equal(y, y_ring), ("ring", m, n, k, wk, bool(lora))
+            for loop in ("ring", "pipe", "pipe2"):
+                y_loop = C.nvfp4_gemv(x, r, s, gs, None, *lora, config={"WR": 1, "WK": wk, "repacked": True,
+                                                                         "loop": loop})
+                assert torch.equal(y, y_loop), (loop, m, n, k, wk, bool(lora))
     # code rows 8-byte but not 16-byte aligned (the kernel's unaligned loads), and the plan's own config
     p, s, gs = (t.cuda() for t in make_weight(64, 1024, "random", gen))
     wide = torch.zeros(64, 512 + 8, dtype=torch.uint8, device="cuda")
@@ -307,6 +326,10 @@ def test_gpu_repacked_equals_compressed_tensors(m):
     y = C.nvfp4_gemv(x, wide[:, :512], s, gs)
     assert torch.equal(y, C.nvfp4_gemv(x, wide_r[:, :512], s, gs, config={"repacked": True}))
     assert torch.equal(y, C.nvfp4_gemv(x, wide_r[:, :512], s, gs, config={"repacked": True, "ring": True}))
+    for loop in ("pipe", "pipe2"):  # their own plans: 8 chunks, so WK 8 here (at most 8 for pipe2)
+        assert torch.equal(y, C.nvfp4_gemv(x, wide_r[:, :512], s, gs, config={"repacked": True, "loop": loop}))
+    with pytest.raises(ValueError, match="1..8 warps"):
+        C.nvfp4_gemv(x, wide_r[:, :512], s, gs, config={"repacked": True, "loop": "pipe2", "WR": 1, "WK": 16})
 
 
 @gpu

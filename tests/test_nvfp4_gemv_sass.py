@@ -78,9 +78,12 @@ def test_pipes_and_cycle_bound():
 
 def test_variants_from_mangled_names():
     assert S.variant_of("_ZN2qg11gemv_kernelILb0ELi2ELb1ELb1EEEvNS_6ParamsE") == \
-        {"bf16": False, "mt": 2, "aligned": True, "repacked": True, "ring": False}
+        {"bf16": False, "mt": 2, "aligned": True, "repacked": True, "loop": "rounds"}
+    # before the pipe loops the last argument was `bool RING`; since, the loop's number
     assert S.variant_of("_ZN2qg11gemv_kernelILb1ELi1ELb1ELb1ELb1EEEvNS_6ParamsE") == \
-        {"bf16": True, "mt": 1, "aligned": True, "repacked": True, "ring": True}
+        {"bf16": True, "mt": 1, "aligned": True, "repacked": True, "loop": "ring"}
+    assert S.variant_of("_ZN2qg11gemv_kernelILb1ELi1ELb1ELb1ELi3EEEvNS_6ParamsE")["loop"] == "pipe2"
+    assert S.variant_of("_ZN2qg11gemv_kernelILb1ELi1ELb1ELb0ELi0EEEvNS_6ParamsE")["loop"] == "rounds"
     assert S.variant_of("_ZN2qg18lora_shrink_kernelILb1ELi8EEEvNS_12ShrinkParamsE") is None
     rows = S.analyse(S.parse_sass(LISTING))
     assert len(rows) == 1 and rows[0]["mma_steps"] == 1 and rows[0]["per_step"]["alu"] == 4
@@ -147,12 +150,18 @@ def test_real_kernel_instruction_mix(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["nvfp4_gemv_sass.py", "--out", str(out)])
     S.main()
     res = json.loads(out.read_text())
-    rings = [r for r in res["variants"] if r["ring"]]
-    # the ring (repacked codes only): whole chunks between its refills, no spills, at most 128 registers
-    assert len(rings) == 8 and all(r["repacked"] for r in rings)
-    for r in rings:
-        assert r["mma_steps"] % 8 == 0 and r["spill_stores"] == 0 and r["registers"] <= 128, r
-    rows = {(r["bf16"], r["mt"], r["aligned"], r["repacked"]): r for r in res["variants"] if not r["ring"]}
+    by_loop = {loop: [r for r in res["variants"] if r["loop"] == loop] for loop in S.LOOPS}
+    # the other loops (repacked codes only): whole chunks between their loads, no spills; at most 128 registers
+    # (16-warp blocks) except pipe2, whose blocks hold at most 8 warps (255)
+    for loop in ("ring", "pipe", "pipe2"):
+        assert len(by_loop[loop]) == 8 and all(r["repacked"] for r in by_loop[loop]), loop
+        for r in by_loop[loop]:
+            assert r["mma_steps"] % 8 == 0 and r["spill_stores"] == 0, r
+            assert r["registers"] <= (255 if loop == "pipe2" else 128), r
+    # pipe's unchecked set at one n-tile: U / 2 = 2 chunks of 8 steps in one block; pipe2's: U = 4
+    assert {r["mma_steps"] for r in by_loop["pipe"] if r["mt"] == 1} == {16}
+    assert {r["mma_steps"] for r in by_loop["pipe2"] if r["mt"] == 1} == {32}
+    rows = {(r["bf16"], r["mt"], r["aligned"], r["repacked"]): r for r in by_loop["rounds"]}
     assert len(rows) == 16  # bf16/fp16 x 1/2 n-tiles x aligned or not x two code layouts
     for (bf16, mt, aligned, repacked), r in rows.items():
         # the full round: U = 4 chunks of 8 steps at one n-tile, 2 at two; loop control found around it

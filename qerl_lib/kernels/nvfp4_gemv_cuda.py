@@ -67,6 +67,8 @@ MAX_SLICES = 3
 """Most LoRA output slices (q|k|v)."""
 MAX_WARPS = 16
 """Warps per block (WR x WK), as compiled."""
+MAX_WARPS_PIPE2 = 8
+"""Warps per block of config loop "pipe2" (its 160-171 registers exceed the 128 that 16 warps allow)."""
 MAX_RANK = 64
 """Largest LoRA rank (t [M, slices * rank] is staged in shared memory)."""
 MAX_CHUNKS_PER_WARP = 20
@@ -78,6 +80,9 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = ("nvfp4_gemv.cu", "nvfp4_gemv_bind.cpp")
 HEADERS = ("nvfp4_gemv.h", "nvfp4_gemv.cuh")
 PDL_ENV = "QERL_GEMV_PDL"
+LOOPS = ("rounds", "ring", "pipe", "pipe2")
+"""The K loops of config `loop` (repacked codes only), in the kernel's numbering (csrc/nvfp4_gemv.h kRounds..):
+round by round (the default), the ring, and the pipe with sets of U / 2 or U chunks (nvfp4_gemv.cu)."""
 
 _EXT = None
 _SMS: dict[int, int] = {}
@@ -155,12 +160,21 @@ def _num_sms(device: torch.device) -> int:
     return _SMS[idx]
 
 
-def kernel_regs(bf16: bool, mt: int, aligned: bool, repacked: bool = False, ring: bool = False) -> int:
-    """Registers per thread of a compiled GEMV variant (the occupancy input of `plan`)."""
-    key = (bf16, mt, aligned, repacked, ring)
+def kernel_regs(bf16: bool, mt: int, aligned: bool, repacked: bool = False, loop: str = "rounds") -> int:
+    """Registers per thread of a compiled GEMV variant (the occupancy input of `plan`); `loop` one of `LOOPS`."""
+    key = (bf16, mt, aligned, repacked, loop)
     if key not in _REGS:
-        _REGS[key] = int(load_extension().kernel_regs(bf16, mt, aligned, repacked, ring))
+        _REGS[key] = int(load_extension().kernel_regs(bf16, mt, aligned, repacked, LOOPS.index(loop)))
     return _REGS[key]
+
+
+def loop_of(config: dict | None) -> str:
+    """The K loop a `config` asks for: its `loop` (one of `LOOPS`), or "ring" for the older `ring: True`."""
+    config = config or {}
+    loop = config.get("loop", "ring" if config.get("ring") else "rounds")
+    if loop not in LOOPS:
+        raise ValueError(f"nvfp4_gemv_cuda: config loop must be one of {LOOPS}, got {loop!r}")
+    return loop
 
 
 def _check_code_words(codes: torch.Tensor, who: str) -> None:
@@ -205,7 +219,7 @@ def unrepack_codes(repacked: torch.Tensor, rows_per_step: int = 4096) -> torch.T
     return out
 
 
-def plan(m: int, n: int, k: int, num_sms: int = 132, regs: int = 112) -> dict:
+def plan(m: int, n: int, k: int, num_sms: int = 132, regs: int = 112, max_warps: int = MAX_WARPS) -> dict:
     """Launch configuration of an M x N x K call (memoised); `config` of `nvfp4_gemv` overrides it.
 
     WR = 1 row tile (16 rows) per block; WK warps split K (chunks of 128 k, dealt round-robin). The
@@ -218,12 +232,13 @@ def plan(m: int, n: int, k: int, num_sms: int = 132, regs: int = 112) -> dict:
     leaves a warp more than `MAX_CHUNKS_PER_WARP` chunks is taken only when no WK passes. On the 7B
     shapes at M <= 8 and 112 registers: q|k|v 4, o 8, gate|up 2 (two waves of 9 two-warp blocks per
     SM; one warp would loop over all 28 chunks), down 8. MT = n-tiles of 8 x rows; U = chunks in flight.
+    WK is at most `max_warps` (the compiled block limit of the variant).
     """
-    return dict(_plan(m, n, k, num_sms, regs))
+    return dict(_plan(m, n, k, num_sms, regs, max_warps))
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(m: int, n: int, k: int, num_sms: int, regs: int) -> tuple:
+def _plan(m: int, n: int, k: int, num_sms: int, regs: int, max_warps: int = MAX_WARPS) -> tuple:
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"nvfp4_gemv_cuda serves 1 to {MAX_ROWS} rows, got {m}")
     tiles = math.ceil(n / 16)
@@ -231,7 +246,7 @@ def _plan(m: int, n: int, k: int, num_sms: int, regs: int) -> tuple:
     regs_alloc = max(8, math.ceil(regs / 8) * 8)
     best = None
     for wk in (16, 8, 4, 2, 1):
-        if wk > max(1, chunks):
+        if wk > max(1, chunks) or wk > max_warps:
             continue
         threads = 32 * wk
         per_sm = min(2048 // threads, 65536 // (threads * regs_alloc), 32)
@@ -282,9 +297,10 @@ def nvfp4_gemv(
     - lora_index: integer [>= M]: row m gets the LoRA term only if lora_index[m] == lora_slot.
     `config` overrides `plan`: WR (row tiles per block), WK (warps splitting K), pdl (bool); and
     `repacked` (bool, default false) says that `packed` holds `repack_codes(packed)` (same results bit for
-    bit, fewer decode instructions; not yet timed on the GPU: docs/kernels.md). `ring` (bool, default false,
-    repacked only) keeps the loads of U chunks in flight all the time instead of round by round (same
-    results bit for bit at the same WK; csrc/nvfp4_gemv.cu `ring_loop`; measured slower, docs/gpu.md).
+    bit, fewer decode instructions: docs/kernels.md). `loop` (repacked only; one of `LOOPS`, default "rounds")
+    picks the K loop: "ring" keeps U chunks' loads in flight all the time (`ring: True` says the same; measured
+    slower, docs/gpu.md), "pipe" / "pipe2" compute one set of U / 2 (U) chunks while the next set loads
+    (csrc/nvfp4_gemv.cu `pipe_loop`). Every loop gives the same results bit for bit at the same WK.
     """
     args = check_args("nvfp4_gemv_cuda", x, packed, scale, global_scale, bias, lora_a, lora_b, lora_index,
                       max_rows=MAX_ROWS, max_slices=MAX_SLICES, max_rank=MAX_RANK)
@@ -322,19 +338,20 @@ def nvfp4_gemv(
     with torch.cuda.device(x.device):
         ext = load_extension()
         repacked = bool((config or {}).get("repacked", False))
-        ring = bool((config or {}).get("ring", False))  # the binding ignores it without `repacked`
+        loop = loop_of(config) if repacked else "rounds"
+        max_warps = MAX_WARPS_PIPE2 if loop == "pipe2" else MAX_WARPS
         if config is None or "WK" not in config:
             cfg = plan(m, n, k, _num_sms(x.device),
-                       kernel_regs(x.dtype == torch.bfloat16, 1 if m <= 8 else 2, aligned, repacked, ring))
+                       kernel_regs(x.dtype == torch.bfloat16, 1 if m <= 8 else 2, aligned, repacked, loop), max_warps)
         else:
             cfg = {}
         cfg.update(config or {})
         wr, wk = int(cfg.get("WR", 1)), int(cfg["WK"])
-        if wr < 1 or wk < 1 or wr * wk > MAX_WARPS:
-            raise ValueError(f"config WR={wr} x WK={wk} must be 1..{MAX_WARPS} warps")
+        if wr < 1 or wk < 1 or wr * wk > max_warps:
+            raise ValueError(f"config WR={wr} x WK={wk} must be 1..{max_warps} warps (loop {loop})")
         pdl = bool(cfg.get("pdl", os.environ.get(PDL_ENV, "") not in ("", "0")))
         y = ext.gemv(x2, packed, scale, gs, bias, a_list, b_list, float(lora_scale), idx, int(lora_slot),
-                     wr, wk, aligned, pdl, repacked, ring)
+                     wr, wk, aligned, pdl, repacked, LOOPS.index(loop))
     return y.reshape(*lead, n)
 
 

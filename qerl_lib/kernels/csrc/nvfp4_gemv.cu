@@ -150,8 +150,62 @@ __device__ __forceinline__ void ring_loop(float (&acc)[MT][4], const Lane& l, in
   }
 }
 
-template <bool BF16, int MT, bool ALIGNED, bool REPACKED, bool RING>
-__global__ void __launch_bounds__(32 * kMaxWarps) gemv_kernel(const Params p) {
+// The pipe (config `loop: pipe` or `pipe2`): two sets of H chunks' codes in registers, A and B. A's chunks
+// compute while B's loads are in flight, then B's while A's next loads are: every load has a whole set of
+// the warp's own arithmetic in front of it, and the checks are made once per set (a set wholly inside K
+// takes the unchecked path), not per chunk as in the ring. H = U / 2 (`pipe`) keeps the rounds' count of
+// code registers; H = U (`pipe2`) holds two rounds' codes (160-171 registers, so at most kMaxWarpsPipe2
+// warps a block). Same chunk order, so the same sums bit for bit at the same WK. x is loaded as in a round:
+// the set's first chunk's at its start, then one chunk ahead.
+template <bool ALIGNED, bool FULL, int H>
+__device__ __forceinline__ void load_set(RowChunk (&ra)[H], RowChunk (&rb)[H], const Lane& l, int cb, int step,
+                                         int nc, int nfull, int groups) {
+#pragma unroll
+  for (int h = 0; h < H; ++h) load_rows<ALIGNED, FULL>(ra[h], rb[h], l, cb + h * step, nc, nfull, groups);
+}
+
+template <bool BF16, int MT, bool REPACKED, bool FULL, int H>
+__device__ __forceinline__ void compute_set(float (&acc)[MT][4], const RowChunk (&ra)[H], const RowChunk (&rb)[H],
+                                            const Lane& l, int cb, int step, int nc, int nfull, int K) {
+  uint4 xa[2][4], xb[2][4];
+  load_x<MT == 2, FULL>(xa[0], xb[0], l, cb, nfull, K);
+#pragma unroll
+  for (int h = 0; h < H; ++h) {
+    const int c = cb + h * step;
+    if (!FULL && c >= nc) break;
+    if (h + 1 < H && (FULL || c + step < nc)) {
+      load_x<MT == 2, FULL>(xa[(h + 1) & 1], xb[(h + 1) & 1], l, c + step, nfull, K);
+    }
+    chunk_mma<BF16, MT, REPACKED>(acc, ra[h], rb[h], xa[h & 1], xb[h & 1]);
+  }
+}
+
+// Set A's chunks cb.. into ra/rb are loaded; loads set B (cb + span..), computes A; then, unless K ends,
+// loads A's next (cb + 2 span..) and computes B. The FULL paths are taken per set.
+template <bool BF16, int MT, bool ALIGNED, bool REPACKED, int H>
+__device__ __forceinline__ void pipe_loop(float (&acc)[MT][4], const Lane& l, int step, int nc, int nfull,
+                                          int groups, int K) {
+  RowChunk ra[H], rb[H], sa[H], sb[H];  // set A, set B
+  const int span = H * step, last = (H - 1) * step;
+  if (l.wk + last < nfull) load_set<ALIGNED, true, H>(ra, rb, l, l.wk, step, nc, nfull, groups);
+  else load_set<ALIGNED, false, H>(ra, rb, l, l.wk, step, nc, nfull, groups);
+  for (int cb = l.wk; cb < nc; cb += 2 * span) {
+    const int cs = cb + span, cn = cb + 2 * span;
+    if (cs + last < nfull) load_set<ALIGNED, true, H>(sa, sb, l, cs, step, nc, nfull, groups);
+    else load_set<ALIGNED, false, H>(sa, sb, l, cs, step, nc, nfull, groups);
+    if (cb + last < nfull) compute_set<BF16, MT, REPACKED, true, H>(acc, ra, rb, l, cb, step, nc, nfull, K);
+    else compute_set<BF16, MT, REPACKED, false, H>(acc, ra, rb, l, cb, step, nc, nfull, K);
+    if (cs >= nc) break;
+    if (cn + last < nfull) load_set<ALIGNED, true, H>(ra, rb, l, cn, step, nc, nfull, groups);
+    else load_set<ALIGNED, false, H>(ra, rb, l, cn, step, nc, nfull, groups);
+    if (cs + last < nfull) compute_set<BF16, MT, REPACKED, true, H>(acc, sa, sb, l, cs, step, nc, nfull, K);
+    else compute_set<BF16, MT, REPACKED, false, H>(acc, sa, sb, l, cs, step, nc, nfull, K);
+  }
+}
+
+// LOOP: kRounds (`iteration` round by round), kRing, kPipe (sets of U / 2) or kPipe2 (sets of U).
+template <bool BF16, int MT, bool ALIGNED, bool REPACKED, int LOOP>
+__global__ void __launch_bounds__(LOOP == kPipe2 ? kMaxWarpsPipe2 * 32 : kMaxWarps * 32) gemv_kernel(const Params p) {
   using T = std::conditional_t<BF16, __nv_bfloat16, __half>;
   extern __shared__ float red[];  // [warp][MT][4 registers][32 lanes], then LoRA t [M][t_stride]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -174,8 +228,12 @@ __global__ void __launch_bounds__(32 * kMaxWarps) gemv_kernel(const Params p) {
     }
     griddep_wait();
   }
-  if constexpr (RING) {
+  if constexpr (LOOP == kRing) {
     ring_loop<BF16, MT, ALIGNED, REPACKED, U>(acc, l, p.wk, nc, nfull, groups, p.K);
+  } else if constexpr (LOOP == kPipe) {
+    pipe_loop<BF16, MT, ALIGNED, REPACKED, U / 2>(acc, l, p.wk, nc, nfull, groups, p.K);
+  } else if constexpr (LOOP == kPipe2) {
+    pipe_loop<BF16, MT, ALIGNED, REPACKED, U>(acc, l, p.wk, nc, nfull, groups, p.K);
   } else {
     for (int cb = l.wk; cb < nc; cb += p.wk * U) {
       if (cb + (U - 1) * p.wk < nfull) {
@@ -306,26 +364,32 @@ static int launch(K kernel, const P& p, dim3 grid, dim3 block, size_t smem, bool
   return err == cudaSuccess ? static_cast<int>(cudaGetLastError()) : static_cast<int>(err);
 }
 
-template <bool BF16, int MT, bool ALIGNED, bool REPACKED, bool RING>
+template <bool BF16, int MT, bool ALIGNED, bool REPACKED, int LOOP>
 static int launch_t(const Params& p, bool pdl, void* stream) {
   const int warps = p.wr * p.wk;
   const int tiles = (p.N + 15) / 16;
   const dim3 grid((tiles + p.wr - 1) / p.wr), block(32 * warps);
   const size_t smem = sizeof(float) * (warps * MT * 4 * 32 + (p.t != nullptr ? p.M * p.t_stride : 0));
-  return launch(gemv_kernel<BF16, MT, ALIGNED, REPACKED, RING>, p, grid, block, smem, pdl, stream);
+  return launch(gemv_kernel<BF16, MT, ALIGNED, REPACKED, LOOP>, p, grid, block, smem, pdl, stream);
 }
 
 int launch_gemv(const Params& p, bool bf16, bool aligned, bool pdl, void* stream) {
-  if (p.M < 1 || p.M > 16 || p.wr < 1 || p.wk < 1 || p.wr * p.wk > kMaxWarps || p.K % 16 ||
+  if (p.M < 1 || p.M > 16 || p.wr < 1 || p.wk < 1 || p.wr * p.wk > kMaxWarps || p.K % 16 || p.loop < kRounds ||
+      p.loop > kPipe2 || (p.repacked && p.loop == kPipe2 && p.wr * p.wk > kMaxWarpsPipe2) ||
       (p.t != nullptr && (p.rank < 1 || p.rank > kMaxRank || p.ks < 1))) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   const bool two = p.M > 8;
 #define QG_CASE(B, MT_, A)                                                                                   \
-  if (bf16 == B && (MT_ == 2) == two && aligned == A)                                                        \
-    return p.repacked ? (p.ring ? launch_t<B, MT_, A, true, true>(p, pdl, stream)                               \
-                               : launch_t<B, MT_, A, true, false>(p, pdl, stream))                             \
-                      : launch_t<B, MT_, A, false, false>(p, pdl, stream);
+  if (bf16 == B && (MT_ == 2) == two && aligned == A) {                                                      \
+    if (!p.repacked) return launch_t<B, MT_, A, false, kRounds>(p, pdl, stream);                             \
+    switch (p.loop) {                                                                                        \
+      case kRing: return launch_t<B, MT_, A, true, kRing>(p, pdl, stream);                                   \
+      case kPipe: return launch_t<B, MT_, A, true, kPipe>(p, pdl, stream);                                   \
+      case kPipe2: return launch_t<B, MT_, A, true, kPipe2>(p, pdl, stream);                                 \
+      default: return launch_t<B, MT_, A, true, kRounds>(p, pdl, stream);                                    \
+    }                                                                                                        \
+  }
   QG_CASE(true, 1, true) QG_CASE(true, 1, false) QG_CASE(true, 2, true) QG_CASE(true, 2, false)
   QG_CASE(false, 1, true) QG_CASE(false, 1, false) QG_CASE(false, 2, true) QG_CASE(false, 2, false)
 #undef QG_CASE
@@ -346,14 +410,17 @@ int launch_lora_shrink(const ShrinkParams& p, bool bf16, int slices, void* strea
                  : launch(lora_shrink_kernel<false, 8>, p, grid, block, 0, false, stream);
 }
 
-int gemv_kernel_regs(bool bf16, int mt, bool aligned, bool repacked, bool ring) {
+int gemv_kernel_regs(bool bf16, int mt, bool aligned, bool repacked, int loop) {
   cudaFuncAttributes a;
   cudaError_t err = cudaErrorInvalidValue;
 #define QG_CASE(B, MT_, A)                                                                                   \
-  if (bf16 == B && mt == MT_ && aligned == A)                                                                \
-    err = repacked ? (ring ? cudaFuncGetAttributes(&a, gemv_kernel<B, MT_, A, true, true>)                   \
-                           : cudaFuncGetAttributes(&a, gemv_kernel<B, MT_, A, true, false>))                 \
-                   : cudaFuncGetAttributes(&a, gemv_kernel<B, MT_, A, false, false>);
+  if (bf16 == B && mt == MT_ && aligned == A) {                                                              \
+    if (!repacked) err = cudaFuncGetAttributes(&a, gemv_kernel<B, MT_, A, false, kRounds>);                  \
+    else if (loop == kRing) err = cudaFuncGetAttributes(&a, gemv_kernel<B, MT_, A, true, kRing>);            \
+    else if (loop == kPipe) err = cudaFuncGetAttributes(&a, gemv_kernel<B, MT_, A, true, kPipe>);            \
+    else if (loop == kPipe2) err = cudaFuncGetAttributes(&a, gemv_kernel<B, MT_, A, true, kPipe2>);          \
+    else err = cudaFuncGetAttributes(&a, gemv_kernel<B, MT_, A, true, kRounds>);                             \
+  }
   QG_CASE(true, 1, true) QG_CASE(true, 1, false) QG_CASE(true, 2, true) QG_CASE(true, 2, false)
   QG_CASE(false, 1, true) QG_CASE(false, 1, false) QG_CASE(false, 2, true) QG_CASE(false, 2, false)
 #undef QG_CASE

@@ -13,6 +13,13 @@ constexpr int kMaxWarps = 16;   // warps per block (WR x WK)
 constexpr int kMaxRank = 64;    // LoRA rank (the GEMV stages t [M, slices * rank] in shared memory)
 constexpr int kShrinkK = 4096;  // k per block of the LoRA shrink (K slices)
 
+// The GEMV's K loop (Params::loop; repacked codes only, else always kRounds): nvfp4_gemv.cu.
+constexpr int kRounds = 0;  // round by round: U chunks' loads, then their MMAs (the default)
+constexpr int kRing = 1;    // U slots, each refilled as soon as its chunk is computed (ring_loop)
+constexpr int kPipe = 2;    // two sets of U / 2 chunks, one computing while the other loads (pipe_loop)
+constexpr int kPipe2 = 3;   // the same with sets of U chunks: two rounds' codes in registers
+constexpr int kMaxWarpsPipe2 = 8;  // kPipe2's block limit: its codes need more than the 128 registers of 16 warps
+
 // y [M, N] = x [M, K] @ W.T * (128 / gs) + bias + B_s . t  (W'' = e2m1 * fp8 * 2**-7 in the MMA)
 struct Params {
   const uint8_t* codes;    // packed [N, K/2], low nibble = even k
@@ -30,7 +37,7 @@ struct Params {
   int wr, wk;              // row tiles (16 rows) per block, warps splitting K per row tile
   int wait_x;              // launched as a PDL secondary of the kernel that wrote x: wait before reading x
   int repacked;            // codes in the repacked layout (nvfp4_gemv.cuh repack_word), not compressed-tensors'
-  int ring;                // repacked only: keep U chunks' loads in flight all the time (nvfp4_gemv.cu ring_loop)
+  int loop;                // repacked only: kRounds, kRing, kPipe or kPipe2 (the K loop, above)
 };
 
 // t [ks, M, S * rank]: partial sums of lora_scale * mask[m] * x @ A_s.T over K slices of `kslice` k (a
@@ -50,7 +57,7 @@ struct ShrinkParams {
 // Host launchers (nvfp4_gemv.cu); return a cudaError_t as int (0: launched).
 int launch_gemv(const Params& p, bool bf16, bool aligned, bool pdl, void* stream);
 int launch_lora_shrink(const ShrinkParams& p, bool bf16, int slices, void* stream);
-// Registers per thread of the GEMV kernel of (bf16, mt, aligned, repacked, ring) (cudaFuncGetAttributes), or -1.
-int gemv_kernel_regs(bool bf16, int mt, bool aligned, bool repacked, bool ring = false);
+// Registers per thread of the GEMV kernel of (bf16, mt, aligned, repacked, loop) (cudaFuncGetAttributes), or -1.
+int gemv_kernel_regs(bool bf16, int mt, bool aligned, bool repacked, int loop = kRounds);
 
 }  // namespace qg

@@ -30,7 +30,7 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, t
                    c10::optional<torch::Tensor> bias, std::vector<torch::Tensor> lora_a,
                    std::vector<torch::Tensor> lora_b, double lora_scale, c10::optional<torch::Tensor> lora_index,
                    int64_t lora_slot, int64_t wr, int64_t wk, bool aligned, bool pdl, bool repacked,
-                   bool ring) {
+                   int64_t loop) {
   const auto dev = x.device();
   check_cuda(x, dev, "x");
   check_cuda(packed, dev, "packed");
@@ -87,7 +87,8 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, t
   p.off1 = p.off2 = p.N;
   p.wait_x = pdl && lora_a.empty() ? 1 : 0;
   p.repacked = repacked ? 1 : 0;
-  p.ring = repacked && ring ? 1 : 0;
+  TORCH_CHECK(loop >= qg::kRounds && loop <= qg::kPipe2, "nvfp4_gemv_cuda: loop must be 0..3, got ", loop);
+  p.loop = repacked ? static_cast<int>(loop) : qg::kRounds;
 
   const size_t slices = lora_a.size();
   torch::Tensor t;
@@ -161,8 +162,8 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor packed, torch::Tensor scale, t
   return y;
 }
 
-int64_t kernel_regs(bool bf16, int64_t mt, bool aligned, bool repacked, bool ring) {
-  return qg::gemv_kernel_regs(bf16, static_cast<int>(mt), aligned, repacked, repacked && ring);
+int64_t kernel_regs(bool bf16, int64_t mt, bool aligned, bool repacked, int64_t loop) {
+  return qg::gemv_kernel_regs(bf16, static_cast<int>(mt), aligned, repacked, repacked ? static_cast<int>(loop) : 0);
 }
 
 }  // namespace
@@ -171,7 +172,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv", &gemv, "NVFP4 W4A16 decode GEMM (1..16 rows), LoRA shrink + expand", py::arg("x"),
         py::arg("packed"), py::arg("scale"), py::arg("global_scale"), py::arg("bias"), py::arg("lora_a"),
         py::arg("lora_b"), py::arg("lora_scale"), py::arg("lora_index"), py::arg("lora_slot"), py::arg("wr"),
-        py::arg("wk"), py::arg("aligned"), py::arg("pdl"), py::arg("repacked") = false, py::arg("ring") = false);
-  m.def("kernel_regs", &kernel_regs, "registers per thread of the GEMV kernel (bf16, mt, aligned, repacked, ring)",
-        py::arg("bf16"), py::arg("mt"), py::arg("aligned"), py::arg("repacked") = false, py::arg("ring") = false);
+        py::arg("wk"), py::arg("aligned"), py::arg("pdl"), py::arg("repacked") = false, py::arg("loop") = 0);
+  m.def("kernel_regs", &kernel_regs, "registers per thread of the GEMV kernel (bf16, mt, aligned, repacked, loop)",
+        py::arg("bf16"), py::arg("mt"), py::arg("aligned"), py::arg("repacked") = false, py::arg("loop") = 0);
 }
