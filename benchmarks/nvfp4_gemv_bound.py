@@ -31,6 +31,8 @@ weight-read bound use the copy bandwidth, as in nvfp4_gemv.py.
 
     python benchmarks/nvfp4_gemv_bound.py --out benchmarks/results/nvfp4_gemv_bound.json
 
+`--arms gemv_repacked,gemv_pipe` times only the arms named (`ARMS`; the bit-equality checks still run).
+
 `--once` runs each group's GEMV once per layer without a graph and exits (for a profiler, e.g.
 `ncu -k regex:gemv_kernel python benchmarks/nvfp4_gemv_bound.py --once`).
 """
@@ -139,6 +141,9 @@ void contiguous(torch::Tensor codes, torch::Tensor scales, int64_t blocks, torch
 
 RING = {"repacked": True, "ring": True}
 LOOPS = {"ring": RING, "pipe": {"repacked": True, "loop": "pipe"}, "pipe2": {"repacked": True, "loop": "pipe2"}}
+ARMS = ("gemv", "read_pattern", "read_contiguous", "gemv_l2_resident", "gemv_repacked", "gemv_repacked_l2_resident",
+        *(f"gemv_{loop}{tail}" for loop in LOOPS for tail in ("", "_l2_resident")))
+"""Every arm, in the order timed (module docstring)."""
 
 
 def main() -> None:
@@ -151,6 +156,10 @@ def main() -> None:
     ap.add_argument("--config", default="{}", help="with --once: the GEMV's config as JSON, e.g. '{\"WK\": 2}'")
     ap.add_argument("--arms", default="", help="comma-separated arms to time (default: all; module docstring)")
     args = ap.parse_args()
+    chosen = [a for a in args.arms.split(",") if a] or list(ARMS)
+    unknown = sorted(set(chosen) - set(ARMS))
+    if unknown:
+        raise SystemExit(f"--arms: unknown {unknown}; known: {', '.join(ARMS)}")
 
     import torch
     from torch.utils.cpp_extension import load_inline
@@ -209,11 +218,8 @@ def main() -> None:
         for loop, cfg in LOOPS.items():  # default arguments bind this iteration's config
             arms[f"gemv_{loop}"] = lambda cfg=cfg: [C.nvfp4_gemv(x, p, s, gs, config=cfg) for p, s in ls_r]
             arms[f"gemv_{loop}_l2_resident"] = lambda cfg=cfg: [C.nvfp4_gemv(x, p, s, gs, config=cfg) for p, s in one_r]
-        if args.arms:
-            unknown = set(args.arms.split(",")) - set(arms)
-            if unknown:
-                raise SystemExit(f"--arms: unknown {sorted(unknown)}; known: {sorted(arms)}")
-            arms = {a: f for a, f in arms.items() if a in args.arms.split(",")}
+        assert list(arms) == list(ARMS), "ARMS must name every arm, in order"
+        arms = {a: f for a, f in arms.items() if a in chosen}
         # at one WK every loop computes the same chunks in the same order: the same bits (its own plan may pick
         # another WK, its registers being more: gate|up WK 8 against 2 at 118 / 103 registers, another sum order)
         pin = {"WR": 1, "WK": C.plan(1, n, k, sms, C.kernel_regs(True, 1, True, True))["WK"]}

@@ -41,3 +41,12 @@ def test_without_a_gpu_it_says_so(tmp_path: Path, monkeypatch):
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         B.main()
     assert not (tmp_path / "b.json").exists()
+
+
+def test_an_unknown_arm_is_refused_before_anything_runs(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["nvfp4_gemv_bound.py", "--out", str(tmp_path / "b.json"),
+                                      "--arms", "gemv_repacked,gemv_pipe3"])
+    with pytest.raises(SystemExit, match=r"--arms: unknown \['gemv_pipe3'\]; known: gemv, read_pattern"):
+        B.main()
+    assert not (tmp_path / "b.json").exists()
+    assert {"gemv_pipe", "gemv_pipe2_l2_resident", "gemv_ring"} <= set(B.ARMS)

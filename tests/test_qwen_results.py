@@ -5,7 +5,7 @@ give the committed summary, so no figure in it was edited by hand or left stale 
 The rows carry the fields the issue asks for, and the figures that `README.md` and
 `docs/results_qwen05_gsm8k.md` quote for the three main arms are the summary's, at three decimals.
 Recipe 2 (`experiments/qwen05_gsm8k_v2/results`) is held to the same: its summary recomputes from its
-runs (base rows from recipe 1's summary, by checkpoint hash), and the docs quote its three-seed arms.
+runs (base rows from recipe 1's summary, by checkpoint hash), and the docs quote its arms.
 """
 
 from __future__ import annotations
@@ -120,7 +120,8 @@ def test_a_gptq_arm_has_its_own_base(summarize, tmp_path):
 
 
 V2 = ROOT / "experiments" / "qwen05_gsm8k_v2" / "results"
-V2_THREE_SEED_ARMS = ("bf16", "nvfp4_aqn_gptq", "nvfp4_gptq")
+V2_THREE_SEED_ARMS = ("bf16", "nvfp4_aqn", "nvfp4_aqn_gptq", "nvfp4_gptq")
+V2_ONE_SEED_ARMS = ("bf16_aqn", "nf4")  # issue 16's single-seed arms
 
 
 def test_recipe_2_summary_is_recomputed_from_its_committed_runs(summarize, tmp_path, monkeypatch):
@@ -136,10 +137,15 @@ def test_recipe_2_summary_is_recomputed_from_its_committed_runs(summarize, tmp_p
 
 
 @pytest.mark.parametrize("doc", ["README.md", "docs/results_qwen05_gsm8k.md", "experiments/qwen05_gsm8k_v2/README.md"])
-def test_docs_quote_recipe_2s_three_seed_means(doc):
+def test_docs_quote_recipe_2s_arms(doc):
     committed_v2 = json.loads((V2 / "summary.json").read_text())
     text = (ROOT / doc).read_text()
     for arm in V2_THREE_SEED_ARMS:
         a = committed_v2["per_arm"][arm]
         quoted = f"{a['greedy_acc']:.3f} ± {a['greedy_acc_std']:.3f} / {a['pass1']:.3f} ± {a['pass1_std']:.3f}"
+        assert quoted in text, f"{doc}: {arm} should quote {quoted} (qwen05_gsm8k_v2/results/summary.json)"
+    for arm in V2_ONE_SEED_ARMS:
+        a = committed_v2["per_arm"][arm]
+        assert a["seeds"] == [0], arm
+        quoted = f"{a['greedy_acc']:.3f} / {a['pass1']:.3f}"
         assert quoted in text, f"{doc}: {arm} should quote {quoted} (qwen05_gsm8k_v2/results/summary.json)"
