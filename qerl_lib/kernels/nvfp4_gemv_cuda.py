@@ -300,7 +300,8 @@ def nvfp4_gemv(
     bit, fewer decode instructions: docs/kernels.md). `loop` (repacked only; one of `LOOPS`, default "rounds")
     picks the K loop: "ring" keeps U chunks' loads in flight all the time (`ring: True` says the same; measured
     slower, docs/gpu.md), "pipe" / "pipe2" compute one set of U / 2 (U) chunks while the next set loads
-    (csrc/nvfp4_gemv.cu `pipe_loop`). Every loop gives the same results bit for bit at the same WK.
+    (csrc/nvfp4_gemv.cu `pipe_loop`; measured slower too). Every loop gives the same results bit for bit at the
+    same WK; pipe2 runs blocks of at most `MAX_WARPS_PIPE2` warps.
     """
     args = check_args("nvfp4_gemv_cuda", x, packed, scale, global_scale, bias, lora_a, lora_b, lora_index,
                       max_rows=MAX_ROWS, max_slices=MAX_SLICES, max_rank=MAX_RANK)

@@ -75,8 +75,7 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[MT][4], const RowChunk& r
   }
 }
 
-// U chunks c = cb, cb + step, ... (step = WK): every load first, then the MMAs (x one chunk ahead). FULL:
-// all of them are whole chunks inside K. Else each chunk is whole (c < nfull: no checks; x rows past M
+// Chunk c's x. FULL: a whole chunk inside K. Else each chunk is whole (c < nfull: no checks; x rows past M
 // read row 0, whose MMA columns are never stored), the partial last one (groups past K read zero, x
 // past K or M reads zero) or past K (skipped).
 template <bool MT2, bool FULL>
@@ -104,23 +103,38 @@ __device__ __forceinline__ void load_rows(RowChunk& a, RowChunk& b, const Lane& 
   }
 }
 
+// H chunks c = cb, cb + step, ...: their codes and scales (`load_set`), then their MMAs (`compute_set`: x of a
+// set's first chunk at its start, then one chunk ahead). FULL: the set's chunks all lie inside K (no checks).
+template <bool ALIGNED, bool FULL, int H>
+__device__ __forceinline__ void load_set(RowChunk (&ra)[H], RowChunk (&rb)[H], const Lane& l, int cb, int step,
+                                         int nc, int nfull, int groups) {
+#pragma unroll
+  for (int h = 0; h < H; ++h) load_rows<ALIGNED, FULL>(ra[h], rb[h], l, cb + h * step, nc, nfull, groups);
+}
+
+template <bool BF16, int MT, bool REPACKED, bool FULL, int H>
+__device__ __forceinline__ void compute_set(float (&acc)[MT][4], const RowChunk (&ra)[H], const RowChunk (&rb)[H],
+                                            const Lane& l, int cb, int step, int nc, int nfull, int K) {
+  uint4 xa[2][4], xb[2][4];
+  load_x<MT == 2, FULL>(xa[0], xb[0], l, cb, nfull, K);
+#pragma unroll
+  for (int h = 0; h < H; ++h) {
+    const int c = cb + h * step;
+    if (!FULL && c >= nc) break;
+    if (h + 1 < H && (FULL || c + step < nc)) {  // x of the next chunk while this one computes
+      load_x<MT == 2, FULL>(xa[(h + 1) & 1], xb[(h + 1) & 1], l, c + step, nfull, K);
+    }
+    chunk_mma<BF16, MT, REPACKED>(acc, ra[h], rb[h], xa[h & 1], xb[h & 1]);
+  }
+}
+
+// A round of the default loop: U chunks' loads, then their MMAs.
 template <bool BF16, int MT, bool ALIGNED, bool REPACKED, bool FULL, int U>
 __device__ __forceinline__ void iteration(float (&acc)[MT][4], const Lane& l, int cb, int step, int nc, int nfull,
                                           int groups, int K) {
   RowChunk ra[U], rb[U];
-#pragma unroll
-  for (int u = 0; u < U; ++u) load_rows<ALIGNED, FULL>(ra[u], rb[u], l, cb + u * step, nc, nfull, groups);
-  uint4 xa[2][4], xb[2][4];
-  load_x<MT == 2, FULL>(xa[0], xb[0], l, cb, nfull, K);
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int c = cb + u * step;
-    if (!FULL && c >= nc) break;
-    if (u + 1 < U && (FULL || c + step < nc)) {  // x of the next chunk while this one computes
-      load_x<MT == 2, FULL>(xa[(u + 1) & 1], xb[(u + 1) & 1], l, c + step, nfull, K);
-    }
-    chunk_mma<BF16, MT, REPACKED>(acc, ra[u], rb[u], xa[u & 1], xb[u & 1]);
-  }
+  load_set<ALIGNED, FULL, U>(ra, rb, l, cb, step, nc, nfull, groups);
+  compute_set<BF16, MT, REPACKED, FULL, U>(acc, ra, rb, l, cb, step, nc, nfull, K);
 }
 
 // The ring (config `ring`): U slots of chunks in flight all the time. `iteration` issues a round's U loads,
@@ -155,33 +169,10 @@ __device__ __forceinline__ void ring_loop(float (&acc)[MT][4], const Lane& l, in
 // the warp's own arithmetic in front of it, and the checks are made once per set (a set wholly inside K
 // takes the unchecked path), not per chunk as in the ring. H = U / 2 (`pipe`) keeps the rounds' count of
 // code registers; H = U (`pipe2`) holds two rounds' codes (160-171 registers, so at most kMaxWarpsPipe2
-// warps a block). Same chunk order, so the same sums bit for bit at the same WK. x is loaded as in a round:
-// the set's first chunk's at its start, then one chunk ahead.
-template <bool ALIGNED, bool FULL, int H>
-__device__ __forceinline__ void load_set(RowChunk (&ra)[H], RowChunk (&rb)[H], const Lane& l, int cb, int step,
-                                         int nc, int nfull, int groups) {
-#pragma unroll
-  for (int h = 0; h < H; ++h) load_rows<ALIGNED, FULL>(ra[h], rb[h], l, cb + h * step, nc, nfull, groups);
-}
-
-template <bool BF16, int MT, bool REPACKED, bool FULL, int H>
-__device__ __forceinline__ void compute_set(float (&acc)[MT][4], const RowChunk (&ra)[H], const RowChunk (&rb)[H],
-                                            const Lane& l, int cb, int step, int nc, int nfull, int K) {
-  uint4 xa[2][4], xb[2][4];
-  load_x<MT == 2, FULL>(xa[0], xb[0], l, cb, nfull, K);
-#pragma unroll
-  for (int h = 0; h < H; ++h) {
-    const int c = cb + h * step;
-    if (!FULL && c >= nc) break;
-    if (h + 1 < H && (FULL || c + step < nc)) {
-      load_x<MT == 2, FULL>(xa[(h + 1) & 1], xb[(h + 1) & 1], l, c + step, nfull, K);
-    }
-    chunk_mma<BF16, MT, REPACKED>(acc, ra[h], rb[h], xa[h & 1], xb[h & 1]);
-  }
-}
-
-// Set A's chunks cb.. into ra/rb are loaded; loads set B (cb + span..), computes A; then, unless K ends,
-// loads A's next (cb + 2 span..) and computes B. The FULL paths are taken per set.
+// warps a block). Same chunk order, so the same sums bit for bit at the same WK; x as in a round
+// (`compute_set`). Measured slower (H100, all linears at 1 row: pipe +9.2 %, pipe2 +13.8 %; at the same WK
+// pipe loses 8-9 % on DRAM-resident weights but not on L2-resident ones, so fewer bytes in flight per warp
+// is the likely cost; docs/gpu.md session 26). Off by default.
 template <bool BF16, int MT, bool ALIGNED, bool REPACKED, int H>
 __device__ __forceinline__ void pipe_loop(float (&acc)[MT][4], const Lane& l, int step, int nc, int nfull,
                                           int groups, int K) {
