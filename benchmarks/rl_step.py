@@ -356,7 +356,7 @@ def settings_of(args) -> dict:
 
 
 def driver(args, argv: list[str]) -> dict:
-    from benchmarks.rollout_throughput import run_child
+    from benchmarks.bench_children import run_child
     from qerl_lib.io import atomic_write_json
 
     t0 = time.time()

@@ -17,8 +17,10 @@ prompts per trial. Per cell: one short warm-up, `--trials` prefill-only runs (ma
 and `--trials` full runs; decode tokens/s = batch * (decode - 1) / (full - median prefill);
 end-to-end tokens/s = batch * decode / full. Median and min..max over trials.
 
-Engines (`--engines`, run one at a time, each in its own process, CUDA graphs on, capture
-sizes = the batch sizes):
+Engines (`--engines`, measured one at a time, each in its own process, CUDA graphs on, capture
+sizes = the batch sizes; `--overlap-starts` starts them all at once, `--stagger-s` apart, and hands
+the GPU to one at a time once they are up, so a short call pays one start-up, not one per engine;
+each then needs its own share of memory, `--mem` at most 0.95 / engines):
   bf16-rR     BF16 weights, LoRA slots of rank R; measures LoRA rank R (and no LoRA if R = 16)
   nvfp4-rR    NVFP4 as vLLM ships it (Marlin W4A16 for every batch)
   nf4-rR      bitsandbytes NF4 (QLoRA's format): vLLM quantizes a random BF16 checkpoint, written
@@ -51,10 +53,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -62,6 +61,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.bench_children import run_child, run_overlapped, wait_for_turn  # noqa: E402
 from benchmarks.decode_gemm_profile import SHAPE, copy_bandwidth, gemm_profile  # noqa: E402
 from benchmarks.rollout_checkpoints import (linear_shapes, write_adapter, write_bf16_weights,  # noqa: E402
                                             write_synthetic)
@@ -107,21 +107,6 @@ def kv_bytes_per_step(batch: int, prompt: int, decode: int) -> int:
 def spread(values: list[float]) -> dict:
     return {"median": round(statistics.median(values), 2), "min": round(min(values), 2),
             "max": round(max(values), 2), "n": len(values)}
-
-
-def run_child(cmd: list[str], timeout: float) -> int | str:
-    """Run `cmd` in its own process group; on timeout kill the whole group and return "timeout".
-
-    Killing only the child would leave vLLM's EngineCore process alive: it keeps the GPU memory and
-    the stdout pipe (session 5: `bench | tee` then waited until the device call's own limit).
-    """
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        return "timeout"
 
 
 # ----------------------------------------------------------------------------- one engine (child process)
@@ -212,7 +197,17 @@ def run_engine(args) -> None:
     print(f"[{args.child}] engine up in {eng.stats.startup_seconds:.1f} s: {result['linear_info']}", flush=True)
     save()
     first = cell_need(batches[0], args.trials_large if batches[0] >= args.large_batch else args.trials, args.decode)
-    share_end = cell_deadline(time.time(), run_deadline, args.engines_after, eng.stats.startup_seconds, first)
+    later_startup = eng.stats.startup_seconds
+    if args.turn_dir:  # overlapped starts: the later engines are up (or starting) already; wait for the GPU
+        t_wait = time.time()
+        if not wait_for_turn(Path(args.turn_dir), args.child, run_deadline - first):
+            result["skipped"].append({"reason": "no turn before the deadline"})
+            save()
+            eng.close()
+            return
+        result["turn_wait_seconds"] = round(time.time() - t_wait, 1)
+        later_startup = 0.0
+    share_end = cell_deadline(time.time(), run_deadline, args.engines_after, later_startup, first)
     result["cell_deadline_in_s"] = round(share_end - time.time(), 1)
     gen = torch.Generator().manual_seed(1234)
 
@@ -308,6 +303,26 @@ def print_table(summary: dict) -> None:
               f"{r.get('weight_read_bound_tok_s', float('nan')):9.1f} {r.get('share_of_weight_bound', float('nan')):6.3f}")
 
 
+def child_cmd(args, spec: str, work: Path, deadline: float, after: int, dense_above: int) -> list[str]:
+    """The command line of the child process that measures engine `spec`."""
+    cmd = [sys.executable, __file__, "--child", spec, "--work", str(work),
+           "--deadline", str(deadline - 5), "--engines-after", str(after),
+           "--dense-above", str(dense_above), "--prompt", str(args.prompt), "--decode", str(args.decode),
+           "--batches", args.batches, "--trials", str(args.trials), "--trials-large", str(args.trials_large),
+           "--large-batch", str(args.large_batch), "--mem", str(args.mem), "--gemv-rows", str(args.gemv_rows),
+           "--gemv-kernel", args.gemv_kernel]
+    if args.loras:
+        cmd += ["--loras", args.loras]
+    return cmd
+
+
+def check_overlap(n_engines: int, mem: float) -> None:
+    """`--overlap-starts` keeps every engine resident at once: their `--mem` shares must fit one GPU."""
+    if n_engines * mem > 0.95:
+        raise SystemExit(f"--overlap-starts: {n_engines} engines x --mem {mem} = {n_engines * mem:.2f} of the GPU; "
+                         f"pass --mem {0.95 / n_engines:.2f} or less")
+
+
 def driver(args) -> None:
     import torch
 
@@ -367,6 +382,19 @@ def driver(args) -> None:
     res["dense_above"] = dense_above
     atomic_write_json(out, res)
     specs = args.engines.split(",")
+    if args.overlap_starts:
+        res["settings"]["overlap_starts"] = {"stagger_s": args.stagger_s}
+        turns = work / "turns"
+        cmds = [(spec, child_cmd(args, spec, work, deadline, len(specs) - n - 1, dense_above) + ["--turn-dir", str(turns)])
+                for n, spec in enumerate(specs)]
+        print(f"== {len(specs)} engines starting together ({deadline - time.time():.0f} s left)", flush=True)
+        rcs = run_overlapped(cmds, turns, deadline, args.stagger_s)
+        for spec in specs:
+            path = work / f"engine-{spec}.json"
+            res["engines"][spec] = json.loads(path.read_text()) if path.is_file() else {}
+            if rcs[spec] != 0:
+                res["errors"][spec] = f"exit {rcs[spec]}"
+        specs = []  # measured
     for n, spec in enumerate(specs):
         left = deadline - time.time()
         # each engine gets a fair share of what is left after the later engines' start-up (taken by the
@@ -376,14 +404,7 @@ def driver(args) -> None:
             res["engines"][spec] = {"skipped": f"deadline: {left:.0f} s left"}
             print(f"skip engine {spec}: {left:.0f} s left", flush=True)
             continue
-        cmd = [sys.executable, __file__, "--child", spec, "--work", str(work),
-               "--deadline", str(deadline - 5), "--engines-after", str(after),
-               "--dense-above", str(dense_above), "--prompt", str(args.prompt), "--decode", str(args.decode),
-               "--batches", args.batches, "--trials", str(args.trials), "--trials-large", str(args.trials_large),
-               "--large-batch", str(args.large_batch), "--mem", str(args.mem), "--gemv-rows", str(args.gemv_rows),
-               "--gemv-kernel", args.gemv_kernel]
-        if args.loras:
-            cmd += ["--loras", args.loras]
+        cmd = child_cmd(args, spec, work, deadline, after, dense_above)
         print(f"== engine {spec} ({left:.0f} s left)", flush=True)
         rc = run_child(cmd, timeout=max(left, 1))
         path = work / f"engine-{spec}.json"
@@ -446,13 +467,19 @@ def main() -> None:
     p.add_argument("--deadline-s", type=float, default=540.0, help="stop starting work after this many seconds")
     p.add_argument("--min-engine-s", type=float, default=100.0, help="start an engine only with this much time left")
     p.add_argument("--no-share", action="store_true", help="let each engine use all the time left (default: a fair share)")
+    p.add_argument("--overlap-starts", action="store_true",
+                   help="start every engine at once, then measure them one at a time (needs --mem <= 0.95 / engines)")
+    p.add_argument("--stagger-s", type=float, default=30.0, help="with --overlap-starts: seconds between engine starts")
     p.add_argument("--no-profile", action="store_true", help="skip the GEMM profile and reuse the synthetic checkpoint if present")
     p.add_argument("--merge", nargs="+", default=None, help="combine these result files into --out")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--engines-after", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--deadline", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--turn-dir", default=None, help=argparse.SUPPRESS)
     p.add_argument("--loras", default=None, help="LoRA ranks each engine measures, 0 = none (default: R and 0 on rank-16 engines, R else)")
     args = p.parse_args()
+    if args.overlap_starts and not args.child and not args.merge:
+        check_overlap(len(args.engines.split(",")), args.mem)
     if args.merge:
         merge(args.merge, args.out)
     elif args.child:
