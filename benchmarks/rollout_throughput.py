@@ -104,6 +104,15 @@ def kv_bytes_per_step(batch: int, prompt: int, decode: int) -> int:
     return int(batch * (prompt + decode / 2) * per_token)
 
 
+def kv_cache_bytes(max_seqs: int, max_model_len: int) -> int:
+    """A fixed KV cache (vLLM's `kv_cache_memory_bytes`) for `max_seqs` sequences of `max_model_len` tokens,
+    plus 10 %, at least 1 GiB. Engines started together (`--overlap-starts`) need it: vLLM sizes its cache by
+    profiling the device's memory, and counts a neighbour's allocations during that window as its own
+    (`rollout.vllm_kv_cache_gib`'s reason). The cache's size does not change decode speed, only room."""
+    per_token = 2 * SHAPE["layers"] * SHAPE["kv_heads"] * SHAPE["head_dim"] * 2
+    return max(2**30, int(1.1 * max_seqs * max_model_len * per_token))
+
+
 def spread(values: list[float]) -> dict:
     return {"median": round(statistics.median(values), 2), "min": round(min(values), 2),
             "max": round(max(values), 2), "n": len(values)}
@@ -181,6 +190,8 @@ def run_engine(args) -> None:
     if fmt == "nf4":
         # vLLM quantizes a 16-bit checkpoint to NF4 as it loads it; dummy weights have no file to quantize.
         kwargs["quantization"] = "bitsandbytes"
+    if args.turn_dir:
+        kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(max(batches), args.prompt + args.decode + 16)
     ckpt = work / {"bf16": "bf16", "nf4": "bf16-weights"}.get(fmt, "nvfp4")
     dense_above = args.dense_above if fmt in ("nvfp4h", "nvfp4g") else None
     gemv_rows = args.gemv_rows if fmt == "nvfp4g" else None
@@ -194,6 +205,7 @@ def run_engine(args) -> None:
     result["gemv_rows"] = gemv_rows
     result["gemv_kernel"] = args.gemv_kernel if gemv_rows else None
     result["gpu_memory_utilization"] = args.mem
+    result["kv_cache_memory_bytes"] = kwargs.get("kv_cache_memory_bytes")
     print(f"[{args.child}] engine up in {eng.stats.startup_seconds:.1f} s: {result['linear_info']}", flush=True)
     save()
     first = cell_need(batches[0], args.trials_large if batches[0] >= args.large_batch else args.trials, args.decode)

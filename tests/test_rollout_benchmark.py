@@ -70,6 +70,12 @@ def test_merge_keeps_the_cells_of_an_engine_measured_in_two_runs(tmp_path):
     assert ratio[("nf4-r16", 1)] == round(140 / 150, 3) and ratio[("nf4-r16", 256)] == round(11000 / 18000, 3)
 
 
+def test_a_fixed_kv_cache_holds_the_batch():
+    # 7B shape: 28 layers x 4 KV heads x 128 x (K, V) x 2 bytes = 57,344 bytes a token
+    assert rt.kv_cache_bytes(256, 784) == int(1.1 * 256 * 784 * 57344)  # 12.7 GB
+    assert rt.kv_cache_bytes(8, 784) == 2**30  # at least 1 GiB
+
+
 def test_overlapped_starts_need_memory_for_every_engine():
     rt.check_overlap(2, 0.45)
     with pytest.raises(SystemExit, match=r"--overlap-starts: 3 engines x --mem 0.45 = 1.35 of the GPU; pass --mem 0.32"):
