@@ -224,7 +224,7 @@ def main() -> None:
         # another WK, its registers being more: gate|up WK 8 against 2 at 118 / 103 registers, another sum order)
         pin = {"WR": 1, "WK": C.plan(1, n, k, sms, C.kernel_regs(True, 1, True, True))["WK"]}
         for loop, cfg in LOOPS.items():
-            wk_pin = min(pin["WK"], C.MAX_WARPS_PIPE2) if loop == "pipe2" else pin["WK"]
+            wk_pin = min(pin["WK"], C.loop_max_warps(loop))
             for p, s in ls_r[:2]:
                 a = C.nvfp4_gemv(x, p, s, gs, config={"repacked": True, "WR": 1, "WK": wk_pin})
                 b = C.nvfp4_gemv(x, p, s, gs, config={**cfg, "WR": 1, "WK": wk_pin})
@@ -234,9 +234,8 @@ def main() -> None:
         nbytes = args.layers * (n * k // 2 + n * k // 16)
         step_bytes += nbytes
         row = {"N": n, "K": k, "plan": f"WR{plan['WR']}xWK{wk}", "bytes_per_step": nbytes, "ms": {}, "share": {},
-               "loop_plans": {loop: "WK%d" % C.plan(1, n, k, sms, C.kernel_regs(True, 1, True, True, C.loop_of(cfg)),
-                                                  C.MAX_WARPS_PIPE2 if loop == "pipe2" else C.MAX_WARPS)["WK"]
-                              for loop, cfg in LOOPS.items()}}
+               "loop_plans": {loop: "WK%d" % C.plan(1, n, k, sms, C.kernel_regs(True, 1, True, True, loop),
+                                                  C.loop_max_warps(loop))["WK"] for loop in LOOPS}}
         for name, fn in arms.items():
             ms = round(graph_ms(fn, args.reps), 4)
             row["ms"][name] = ms

@@ -98,10 +98,14 @@ def weight_bytes_per_step(fmt: str, batch: int, slot_rank: int, dense_above: int
     return int(linear_params() * per) + lm_head + lora_bytes(slot_rank)
 
 
+def kv_bytes_per_token() -> int:
+    """K and V of one token, all layers (bf16)."""
+    return 2 * SHAPE["layers"] * SHAPE["kv_heads"] * SHAPE["head_dim"] * 2
+
+
 def kv_bytes_per_step(batch: int, prompt: int, decode: int) -> int:
     """K and V read per decode step, at the mean context length prompt + decode / 2 (bf16)."""
-    per_token = 2 * SHAPE["layers"] * SHAPE["kv_heads"] * SHAPE["head_dim"] * 2
-    return int(batch * (prompt + decode / 2) * per_token)
+    return int(batch * (prompt + decode / 2) * kv_bytes_per_token())
 
 
 def kv_cache_bytes(max_seqs: int, max_model_len: int) -> int:
@@ -109,8 +113,7 @@ def kv_cache_bytes(max_seqs: int, max_model_len: int) -> int:
     plus 10 %, at least 1 GiB. Engines started together (`--overlap-starts`) need it: vLLM sizes its cache by
     profiling the device's memory, and counts a neighbour's allocations during that window as its own
     (`rollout.vllm_kv_cache_gib`'s reason). The cache's size does not change decode speed, only room."""
-    per_token = 2 * SHAPE["layers"] * SHAPE["kv_heads"] * SHAPE["head_dim"] * 2
-    return max(2**30, int(1.1 * max_seqs * max_model_len * per_token))
+    return max(2**30, int(1.1 * max_seqs * max_model_len * kv_bytes_per_token()))
 
 
 def spread(values: list[float]) -> dict:
@@ -394,31 +397,8 @@ def driver(args) -> None:
     res["dense_above"] = dense_above
     atomic_write_json(out, res)
     specs = args.engines.split(",")
-    if args.overlap_starts:
-        res["settings"]["overlap_starts"] = {"stagger_s": args.stagger_s}
-        turns = work / "turns"
-        cmds = [(spec, child_cmd(args, spec, work, deadline, len(specs) - n - 1, dense_above) + ["--turn-dir", str(turns)])
-                for n, spec in enumerate(specs)]
-        print(f"== {len(specs)} engines starting together ({deadline - time.time():.0f} s left)", flush=True)
-        rcs = run_overlapped(cmds, turns, deadline, args.stagger_s)
-        for spec in specs:
-            path = work / f"engine-{spec}.json"
-            res["engines"][spec] = json.loads(path.read_text()) if path.is_file() else {}
-            if rcs[spec] != 0:
-                res["errors"][spec] = f"exit {rcs[spec]}"
-        specs = []  # measured
-    for n, spec in enumerate(specs):
-        left = deadline - time.time()
-        # each engine gets a fair share of what is left after the later engines' start-up (taken by the
-        # child once it is up: `cell_deadline`), so a cut falls on every engine's last cells
-        after = 0 if args.no_share else len(specs) - n - 1
-        if left < args.min_engine_s:
-            res["engines"][spec] = {"skipped": f"deadline: {left:.0f} s left"}
-            print(f"skip engine {spec}: {left:.0f} s left", flush=True)
-            continue
-        cmd = child_cmd(args, spec, work, deadline, after, dense_above)
-        print(f"== engine {spec} ({left:.0f} s left)", flush=True)
-        rc = run_child(cmd, timeout=max(left, 1))
+
+    def record(spec: str, rc: int | str) -> None:  # an engine's child has ended: its file into the result
         path = work / f"engine-{spec}.json"
         res["engines"][spec] = json.loads(path.read_text()) if path.is_file() else {}
         if rc != 0:
@@ -426,6 +406,30 @@ def driver(args) -> None:
         res["summary"] = summarize(res)
         res["seconds"] = round(time.time() - t_start, 1)
         atomic_write_json(out, res)
+
+    # each engine gets a fair share of what is left after the later engines' start-up (taken by the child once
+    # it is up: `cell_deadline`), so a cut falls on every engine's last cells
+    def after(n: int) -> int:
+        return 0 if args.no_share else len(specs) - n - 1
+
+    if args.overlap_starts:
+        res["settings"]["overlap_starts"] = {"stagger_s": args.stagger_s}
+        turns = work / "turns"
+        cmds = [(spec, child_cmd(args, spec, work, deadline, after(n), dense_above) + ["--turn-dir", str(turns)])
+                for n, spec in enumerate(specs)]
+        print(f"== {len(specs)} engines starting together ({deadline - time.time():.0f} s left)", flush=True)
+        rcs = run_overlapped(cmds, turns, deadline, args.stagger_s)
+        for spec in specs:
+            record(spec, rcs[spec])
+    else:
+        for n, spec in enumerate(specs):
+            left = deadline - time.time()
+            if left < args.min_engine_s:
+                res["engines"][spec] = {"skipped": f"deadline: {left:.0f} s left"}
+                print(f"skip engine {spec}: {left:.0f} s left", flush=True)
+                continue
+            print(f"== engine {spec} ({left:.0f} s left)", flush=True)
+            record(spec, run_child(child_cmd(args, spec, work, deadline, after(n), dense_above), timeout=max(left, 1)))
     res["summary"] = summarize(res)
     atomic_write_json(out, res)
     print_table(res["summary"])

@@ -83,7 +83,8 @@ def test_loop_configs():
         C.loop_of({"loop": "pipe3"})
     # 64 chunks and one tile: 16 warps unless the variant's block limit says 8
     assert C.plan(1, 16, 128 * 64, 132)["WK"] == 16
-    assert C.plan(1, 16, 128 * 64, 132, 168, max_warps=C.MAX_WARPS_PIPE2)["WK"] == 8
+    assert C.plan(1, 16, 128 * 64, 132, 168, max_warps=C.loop_max_warps("pipe2"))["WK"] == 8
+    assert [C.loop_max_warps(loop) for loop in C.LOOPS] == [C.MAX_WARPS] * 3 + [C.MAX_WARPS_PIPE2]
 
 
 def test_bad_inputs_fail_before_the_gpu():

@@ -168,6 +168,11 @@ def kernel_regs(bf16: bool, mt: int, aligned: bool, repacked: bool = False, loop
     return _REGS[key]
 
 
+def loop_max_warps(loop: str) -> int:
+    """Warps per block the compiled K loop `loop` allows (its launch bound)."""
+    return MAX_WARPS_PIPE2 if loop == "pipe2" else MAX_WARPS
+
+
 def loop_of(config: dict | None) -> str:
     """The K loop a `config` asks for: its `loop` (one of `LOOPS`), or "ring" for the older `ring: True`."""
     config = config or {}
@@ -340,16 +345,16 @@ def nvfp4_gemv(
         ext = load_extension()
         repacked = bool((config or {}).get("repacked", False))
         loop = loop_of(config) if repacked else "rounds"
-        max_warps = MAX_WARPS_PIPE2 if loop == "pipe2" else MAX_WARPS
+        warps = loop_max_warps(loop)
         if config is None or "WK" not in config:
             cfg = plan(m, n, k, _num_sms(x.device),
-                       kernel_regs(x.dtype == torch.bfloat16, 1 if m <= 8 else 2, aligned, repacked, loop), max_warps)
+                       kernel_regs(x.dtype == torch.bfloat16, 1 if m <= 8 else 2, aligned, repacked, loop), warps)
         else:
             cfg = {}
         cfg.update(config or {})
         wr, wk = int(cfg.get("WR", 1)), int(cfg["WK"])
-        if wr < 1 or wk < 1 or wr * wk > max_warps:
-            raise ValueError(f"config WR={wr} x WK={wk} must be 1..{max_warps} warps (loop {loop})")
+        if wr < 1 or wk < 1 or wr * wk > warps:
+            raise ValueError(f"config WR={wr} x WK={wk} must be 1..{warps} warps (loop {loop})")
         pdl = bool(cfg.get("pdl", os.environ.get(PDL_ENV, "") not in ("", "0")))
         y = ext.gemv(x2, packed, scale, gs, bias, a_list, b_list, float(lora_scale), idx, int(lora_slot),
                      wr, wk, aligned, pdl, repacked, LOOPS.index(loop))
