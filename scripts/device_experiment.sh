@@ -22,10 +22,11 @@
 # ARMS_TIMEOUT (s, default 540) bounds the arms; a killed arm resumes where it stopped on the next call.
 #
 # Issue 16's model, Qwen2.5-Coder-0.5B-Instruct (model.base: qwen2.5-coder-0.5b, 491,400,064 B), travels
-# as ten carried pieces (a 9 MB p0, then nine of at most QWEN_PIECE_MAX = 55,000,000 B), one per call:
+# as eleven carried pieces (a 9 MB p0, then ten of at most QWEN_PIECE_MAX = 50,000,000 B), one per call:
 #   scripts/device_experiment.sh pack-qwen05   here: join + hash the installed `qwen05` extra's parts
 #                                              (qerl_lib.registry_models), cut the file into
-#                                              .device/qwen05/p0 .. p9 (each with a manifest)
+#                                              .device/qwen05/p0 .. p10 (each with a manifest), then
+#                                              carry-check on every piece (below)
 #   scripts/device_experiment.sh qwen05        there, once per carried piece: keep it in
 #                                              /tmp/qerl-exp/stash/qwen05; once every piece of the
 #                                              manifest is there, join them, check size and sha256
@@ -34,7 +35,7 @@
 #                                              = /tmp/qerl-exp/cache in exp_env), where model.base=
 #                                              qwen2.5-coder-0.5b finds it without the packages.
 # The 1.5B (model.base: qwen2.5-coder-1.5b, 1,117,320,768 B, the `qwen15` extra) travels the same way as
-# 22 pieces: QWEN_MODEL=qwen2.5-coder-1.5b QWEN_PIECES=.device/qwen15 for pack-qwen05 here, and
+# 24 pieces: QWEN_MODEL=qwen2.5-coder-1.5b QWEN_PIECES=.device/qwen15 for pack-qwen05 here, and
 # QWEN_PIECES=.device/qwen15 for each qwen05 call there (experiments/qwen15_gsm8k/README.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +43,13 @@ cmd=${1:-help}
 shift || true
 OUT=${OUT:-/tmp/qerl-out}
 EXP=/tmp/qerl-exp
-QWEN_PIECE_MAX=${QWEN_PIECE_MAX:-55000000}  # bytes per Qwen piece: the working tree (7.7 MB in session 9) + margin
+# bytes per Qwen piece. A call carries the working tree too: 13.1 MB in session 27, when 55,000,000-B pieces
+# stopped fitting (carry-check below), so pieces leave room for a tree of up to about 15 MiB.
+QWEN_PIECE_MAX=${QWEN_PIECE_MAX:-50000000}
+# What one call may carry, tree included, in bytes. The device tool's limit is 64 MiB by its README, but
+# it refused a call of 63.65 MiB (tree + piece, counted as file bytes) in session 27 and took one of
+# 62.83 MiB: whatever else it counts, 63 MiB of file bytes is the measured edge.
+CARRY_MAX=${CARRY_MAX:-66060288}
 QWEN_FIRST=${QWEN_FIRST:-9000000}  # bytes of Qwen piece p0 (sized to ride with vLLM's piece b; since session 11 it has a call of its own)
 QWEN_MODEL=${QWEN_MODEL:-qwen2.5-coder-0.5b}  # which packaged GGUF pack-qwen05 cuts (qerl_lib.registry_models)
 QWEN_PIECES=${QWEN_PIECES:-.device/qwen05}  # where its pieces go here and are read there; its name tags the stash
@@ -95,6 +102,32 @@ subprocess.run(pip + ["--only-binary=:all:", "--python-version", "3.12", "--plat
                       "pydantic==2.14.4", "pydantic_core==2.50.5", "annotated_types", "typing_inspection"], check=True)
 for d in sorted(root.iterdir()):
     print(d, sum(p.stat().st_size for p in d.rglob("*") if p.is_file()), "bytes")
+EOF
+  local d rc=0
+  for d in "$QWEN_PIECES"/p*/; do carry_check "${d%/}" || rc=1; done
+  return $rc
+}
+
+carry_check() {  # PATH...: the bytes one call carrying PATHs would send (the working tree: tracked and
+  # untracked-not-ignored files; plus PATHs), against CARRY_MAX. Exit 1, naming the call's size, when over.
+  CARRY_MAX=$CARRY_MAX python3 - "$@" <<'EOF'
+import os, subprocess, sys
+from pathlib import Path
+files = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], capture_output=True, text=True,
+                       check=True).stdout.split("\0")
+tree = sum(os.path.getsize(f) for f in files if f and os.path.isfile(f))
+carried = 0
+for arg in sys.argv[1:]:
+    p = Path(arg)
+    if not p.exists():
+        sys.exit(f"carry-check: {arg} does not exist")
+    carried += p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+limit, mib = int(os.environ["CARRY_MAX"]), 2**20
+total = tree + carried
+verdict = "fits" if total <= limit else "TOO LARGE"
+print(f"carry-check {' '.join(sys.argv[1:])}: tree {tree / mib:.2f} + carried {carried / mib:.2f} = "
+      f"{total / mib:.2f} MiB of {limit / mib:.2f}: {verdict}")
+sys.exit(0 if total <= limit else 1)
 EOF
 }
 
@@ -196,6 +229,32 @@ with open(gguf, "rb") as f:
 for d in sorted(root.iterdir()):
     print(d, sum(p.stat().st_size for p in d.rglob("*") if p.is_file()), "bytes")
 EOF
+  local d rc=0
+  for d in "$QWEN_PIECES"/p*/; do carry_check "${d%/}" || rc=1; done
+  return $rc
+}
+
+carry_check() {  # PATH...: the bytes one call carrying PATHs would send (the working tree: tracked and
+  # untracked-not-ignored files; plus PATHs), against CARRY_MAX. Exit 1, naming the call's size, when over.
+  CARRY_MAX=$CARRY_MAX python3 - "$@" <<'EOF'
+import os, subprocess, sys
+from pathlib import Path
+files = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], capture_output=True, text=True,
+                       check=True).stdout.split("\0")
+tree = sum(os.path.getsize(f) for f in files if f and os.path.isfile(f))
+carried = 0
+for arg in sys.argv[1:]:
+    p = Path(arg)
+    if not p.exists():
+        sys.exit(f"carry-check: {arg} does not exist")
+    carried += p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+limit, mib = int(os.environ["CARRY_MAX"]), 2**20
+total = tree + carried
+verdict = "fits" if total <= limit else "TOO LARGE"
+print(f"carry-check {' '.join(sys.argv[1:])}: tree {tree / mib:.2f} + carried {carried / mib:.2f} = "
+      f"{total / mib:.2f} MiB of {limit / mib:.2f}: {verdict}")
+sys.exit(0 if total <= limit else 1)
+EOF
 }
 
 qwen05() {
@@ -235,15 +294,17 @@ EOF
 # ---------------------------------------------------------------------------------------------
 # Issue 16 on the H200: experiments/qwen05_gsm8k (QWEN_EXPERIMENT: another folder of experiments/ holding
 # the same arm configs, e.g. a changed recipe), calls back to back (/tmp lives only while warm):
-#   1  carry .device/vllm/a .device/snap.tgz  bash .device/vllm/a/install.sh; bash scripts/device_experiment.sh keep-w
+#   1  carry .device/vllm/a                   bash .device/vllm/a/install.sh
 #   2  carry .device/vllm/b .device/exp/w     bash .device/vllm/b/install.sh && bash scripts/device_experiment.sh keep-w
-#   3  carry .device/qwen05/p0 .device/exp/g  bash scripts/device_experiment.sh keep-w && bash scripts/device_experiment.sh qwen05
-#        (a call carries 64 MiB with the tracked files, 11.3 MiB: vLLM's pieces are 49 and 43 MiB, w 5.0 and g 4.7)
-#   4-12 carry .device/qwen05/pN, N = 1..9     bash scripts/device_experiment.sh qwen05
+#   3  carry .device/qwen05/p0 .device/exp/g .device/snap.tgz
+#                                             bash scripts/device_experiment.sh keep-w && bash scripts/device_experiment.sh qwen05
+#        (a call carries 64 MiB with the working tree, 12.5 MiB in session 27: vLLM's pieces are 48.0 and 43 MiB,
+#        w 5.0, g 4.7, the snap 2.3; `carry-check PATH...` here says whether a call's carry fits)
+#   4-13 carry .device/qwen05/pN, N = 1..10    bash scripts/device_experiment.sh qwen05
 #        (the last piece joins the GGUF and checks its sha256)
-#   12, same call, from the frozen code:     cd /tmp/qerl-exp/src && bash scripts/device_experiment.sh qwen-convert
+#   13, same call, from the frozen code:     cd /tmp/qerl-exp/src && bash scripts/device_experiment.sh qwen-convert
 #        (once: BF16, NVFP4, NF4; 69 s in session 16), then qwen-start and qwen-wait (below)
-#   13-  (no carry)                            qwen-wait until the runs end, one call after another
+#   14-  (no carry)                            qwen-wait until the runs end, one call after another
 # qwen-start runs qwen-arms in its own process session: the arm:seed:base-eval list QWEN_RUNS, QWEN_PARALLEL (4)
 # at a time with OMP_NUM_THREADS=3, every run stopped at ARMS_DEADLINE (epoch s; else ARMS_TIMEOUT, 500 s, after
 # its start). Set the deadline from the device time left (lease.budget_left_s of the call before, less about
@@ -497,6 +558,7 @@ case "$cmd" in
   qwen-collect) qwen_collect ;;
   pack) PIECE_BYTES="${PIECE_BYTES[*]}" pack ;;
   pack-qwen05) pack_qwen05 ;;
+  carry-check) carry_check "$@" ;;
   qwen05) qwen05 ;;
 
   stash) stash ;;

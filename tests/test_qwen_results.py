@@ -120,7 +120,8 @@ def test_a_gptq_arm_has_its_own_base(summarize, tmp_path):
 
 
 V2 = ROOT / "experiments" / "qwen05_gsm8k_v2" / "results"
-V2_THREE_SEED_ARMS = ("bf16", "nvfp4_aqn", "nvfp4_aqn_gptq", "nvfp4_gptq")
+V2_MULTI_SEED_ARMS = {"bf16": [0, 1, 2, 3], "nvfp4_aqn": [0, 1, 2], "nvfp4_aqn_gptq": [0, 1, 2, 3],
+                      "nvfp4_gptq": [0, 1, 2, 3]}  # arm -> its seeds
 V2_ONE_SEED_ARMS = ("bf16_aqn", "nf4")  # issue 16's single-seed arms
 
 
@@ -132,15 +133,15 @@ def test_recipe_2_summary_is_recomputed_from_its_committed_runs(summarize, tmp_p
     shutil.copytree(V2 / "runs", out / "runs")
     got = summarize.summarize(out, "qwen05_gsm8k_v2", Path("experiments/qwen05_gsm8k/results/summary.json"))
     assert got == committed_v2
-    for arm in V2_THREE_SEED_ARMS:
-        assert committed_v2["per_arm"][arm]["seeds"] == [0, 1, 2], arm
+    for arm, seeds in V2_MULTI_SEED_ARMS.items():
+        assert committed_v2["per_arm"][arm]["seeds"] == seeds, arm
 
 
 @pytest.mark.parametrize("doc", ["README.md", "docs/results_qwen05_gsm8k.md", "experiments/qwen05_gsm8k_v2/README.md"])
 def test_docs_quote_recipe_2s_arms(doc):
     committed_v2 = json.loads((V2 / "summary.json").read_text())
     text = (ROOT / doc).read_text()
-    for arm in V2_THREE_SEED_ARMS:
+    for arm in V2_MULTI_SEED_ARMS:
         a = committed_v2["per_arm"][arm]
         quoted = f"{a['greedy_acc']:.3f} ± {a['greedy_acc_std']:.3f} / {a['pass1']:.3f} ± {a['pass1_std']:.3f}"
         assert quoted in text, f"{doc}: {arm} should quote {quoted} (qwen05_gsm8k_v2/results/summary.json)"

@@ -1,0 +1,57 @@
+"""scripts/device_experiment.sh's carry-check: a GPU call's carry plus the working tree, against the limit.
+
+The device tool refuses a call whose working tree and carried paths pass its size limit, and a refused
+call mid-sequence costs the machine (it is given back after 30 s idle). The check runs here, before.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "device_experiment.sh"
+
+pytestmark = pytest.mark.skipif(shutil.which("git") is None or not (ROOT / ".git").exists(),
+                                reason="carry-check counts the working tree with git")
+
+
+def carry_check(*paths: Path, limit: int) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CARRY_MAX=str(limit), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    return subprocess.run(["bash", str(SCRIPT), "carry-check", *map(str, paths)], capture_output=True, text=True,
+                          env=env, cwd=ROOT)
+
+
+def tree_bytes() -> int:
+    out = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], capture_output=True, text=True,
+                         cwd=ROOT, check=True).stdout
+    return sum((ROOT / f).stat().st_size for f in out.split("\0") if f and (ROOT / f).is_file())
+
+
+def test_a_carry_under_the_limit_fits(tmp_path):
+    piece = tmp_path / "p1"
+    piece.mkdir()
+    (piece / "part").write_bytes(b"x" * 1000)
+    (piece / "manifest.json").write_bytes(b"{}")
+    r = carry_check(piece, limit=tree_bytes() + 1002)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "fits" in r.stdout
+
+
+def test_a_carry_one_byte_over_is_refused_with_its_size(tmp_path):
+    piece = tmp_path / "part"
+    piece.write_bytes(b"x" * 1000)
+    r = carry_check(piece, limit=tree_bytes() + 999)
+    assert r.returncode == 1
+    assert "TOO LARGE" in r.stdout and str(piece) in r.stdout
+
+
+def test_a_missing_path_is_named(tmp_path):
+    r = carry_check(tmp_path / "nope", limit=2**30)
+    assert r.returncode != 0
+    assert "nope does not exist" in r.stderr
