@@ -150,3 +150,31 @@ def test_docs_quote_recipe_2s_arms(doc):
         assert a["seeds"] == [0], arm
         quoted = f"{a['greedy_acc']:.3f} / {a['pass1']:.3f}"
         assert quoted in text, f"{doc}: {arm} should quote {quoted} (qwen05_gsm8k_v2/results/summary.json)"
+
+
+def test_paired_differences_are_seed_against_seed(summarize):
+    """`paired`: the later arm in ARMS order minus the earlier, only at the seeds both ran, for arms
+    sharing at least two seeds."""
+    rows = [{"arm": arm, "seed": s, "greedy_acc": g, "pass1": p} for arm, s, g, p in [
+        ("bf16", 0, 0.30, 0.28), ("bf16", 1, 0.32, 0.30), ("bf16", 2, 0.29, 0.27),
+        ("nvfp4_aqn_gptq", 0, 0.27, 0.27), ("nvfp4_aqn_gptq", 1, 0.28, 0.25),  # no seed 2
+        ("nvfp4_gptq", 1, 0.26, 0.24),  # one seed in common with either: no pair
+    ]]
+    got = summarize.paired(rows)
+    assert list(got) == ["nvfp4_aqn_gptq - bf16"]
+    p = got["nvfp4_aqn_gptq - bf16"]
+    assert p["seeds"] == [0, 1]
+    assert p["greedy_acc"] == pytest.approx([-0.03, -0.04])
+    assert p["greedy_acc_mean"] == pytest.approx(-0.035)
+    assert p["greedy_acc_std"] == pytest.approx(0.00707107, rel=1e-5)
+    assert p["pass1"] == pytest.approx([-0.01, -0.05])
+
+
+@pytest.mark.parametrize("pair", ["nvfp4_aqn_gptq - bf16", "nvfp4_aqn_gptq - nvfp4_gptq"])
+def test_docs_quote_recipe_2s_paired_differences(pair):
+    """The results page quotes the two seed-against-seed comparisons its reading rests on, in points."""
+    p = json.loads((V2 / "summary.json").read_text())["paired"][pair]
+    text = (ROOT / "docs/results_qwen05_gsm8k.md").read_text()
+    for key in ("greedy_acc", "pass1"):
+        quoted = f"{100 * p[f'{key}_mean']:+.1f} ± {100 * p[f'{key}_std']:.1f}"
+        assert quoted in text, f"docs/results_qwen05_gsm8k.md: {pair} should quote {quoted} ({key})"

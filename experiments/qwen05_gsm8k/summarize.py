@@ -21,7 +21,8 @@ beside this file:
   NVFP4 base whose scales another `model.nvfp4_observer` chose, `..._gptq` appended for one that GPTQ
   rounded, `model.nvfp4_calibration`) from the step-0 evaluations;
   runs without an evaluation at their last step are listed under `incomplete` with the steps they
-  trained (`steps` = `planned` when only the final evaluation was cut);
+  trained (`steps` = `planned` when only the final evaluation was cut); `per_arm`, each arm's mean and
+  standard deviation over its seeds; `paired`, the seed-against-seed differences between arms (`paired`);
 - `results/curves.png`: reward, entropy, KL to the base and the samples' correct rate per step, one line per arm
   (the mean over its seeds that trained every step, evaluated or not, with a band of +- one standard
   deviation where there are two or more).
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import itertools
 import json
 import math
 import re
@@ -41,8 +43,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 EXPERIMENTS = HERE.parent
 DEFAULT_EXPERIMENT = HERE.name
-ARMS = ["bf16", "nvfp4", "nvfp4_aqn", "bf16_aqn", "nvfp4_aqn_rel", "nf4", "nvfp4_aqn_mse"]
-"""The order arms are listed and plotted in; an arm not named here follows them, by name."""
+ARMS = ["bf16", "nvfp4", "nvfp4_aqn", "bf16_aqn", "nvfp4_aqn_rel", "nf4", "nvfp4_aqn_mse", "nvfp4_gptq", "nvfp4_aqn_gptq"]
+"""The order arms are listed and plotted in; an arm not named here follows them, by name. A reference
+arm comes before the arms measured against it (`paired`: the later arm minus the earlier)."""
 
 
 def arm_order(names) -> list[str]:
@@ -183,6 +186,32 @@ def reuse_base(base: list[dict], hashes: dict[str, str | None], base_from: Path)
     return reused
 
 
+def paired(rows: list[dict]) -> dict:
+    """Seed-against-seed differences between arms, from the final-evaluation `rows` (one per arm and seed).
+
+    Arms run at the same seed draw the same training problems in the same order, so the difference
+    at one seed leaves out the share of the spread that the seed's problems cause. For every two arms
+    with at least two seeds in common, keyed "B - A" with A before B in ARMS order (a reference arm
+    such as bf16 second): the shared `seeds`, and for `greedy_acc` and `pass1` the differences at
+    those seeds (B's score minus A's), their mean (`_mean`) and sample standard deviation (`_std`)."""
+    by_arm: dict[str, dict[int, dict]] = {}
+    for r in rows:
+        by_arm.setdefault(r["arm"], {})[r["seed"]] = r
+    out = {}
+    for a, b in itertools.combinations(arm_order(by_arm), 2):
+        seeds = sorted(by_arm[a].keys() & by_arm[b].keys())
+        if len(seeds) < 2:
+            continue
+        pair: dict = {"seeds": seeds}
+        for key in ("greedy_acc", "pass1"):
+            diffs = [by_arm[b][s][key] - by_arm[a][s][key] for s in seeds]
+            pair[key] = diffs
+            pair[f"{key}_mean"] = statistics.fmean(diffs)
+            pair[f"{key}_std"] = statistics.stdev(diffs)
+        out[f"{b} - {a}"] = pair
+    return out
+
+
 def summarize(out: Path, experiment: str = DEFAULT_EXPERIMENT, base_from: Path | None = None) -> dict:
     rows, base, incomplete, hashes = [], [], [], {}
     for run in sorted(out.glob("runs/*/seed*")):
@@ -241,7 +270,7 @@ def summarize(out: Path, experiment: str = DEFAULT_EXPERIMENT, base_from: Path |
     flags = "" if experiment == DEFAULT_EXPERIMENT else f"--experiment {experiment} "
     if base_from is not None:
         flags += f"--base-from {base_from} "
-    return {"base": base, "rows": base + rows, "per_arm": per_arm, "incomplete": incomplete,
+    return {"base": base, "rows": base + rows, "per_arm": per_arm, "paired": paired(rows), "incomplete": incomplete,
             "command": f"python experiments/{DEFAULT_EXPERIMENT}/summarize.py {flags}--archive <unpacked "
                        "qwen_arms_*.tgz> (once per session's archive: each adds its runs to results/runs, then all of "
                        "results/runs is summarized; docs/results_qwen05_gsm8k.md lists the sessions)",
@@ -320,6 +349,9 @@ def main() -> None:
     for r in summary["rows"]:
         print(f"{r['arm']:>14} seed {r['seed']} steps {r['steps']:>2}: greedy {r['greedy_acc']:.3f} ± {r['greedy_se']:.3f}"
               f"  pass@1 {r['pass1']:.3f} ± {r['pass1_se']:.3f}  (n={r['n_test']})")
+    for name, p in summary["paired"].items():
+        print(f"{name:>30}, seeds {p['seeds']}: greedy {100 * p['greedy_acc_mean']:+.1f} ± {100 * p['greedy_acc_std']:.1f}"
+              f"  pass@1 {100 * p['pass1_mean']:+.1f} ± {100 * p['pass1_std']:.1f} points")
     for r in summary["incomplete"]:
         why = ("trained every step, its final evaluation did not finish" if r["steps"] >= r["planned"]
                else f"stopped after {r['steps']} of {r['planned']} steps")
