@@ -303,7 +303,8 @@ EOF
 #   4-13 carry .device/qwen05/pN, N = 1..10    bash scripts/device_experiment.sh qwen05
 #        (the last piece joins the GGUF and checks its sha256)
 #   13, same call, from the frozen code:     cd /tmp/qerl-exp/src && bash scripts/device_experiment.sh qwen-convert
-#        (once: BF16, NVFP4, NF4; 69 s in session 16), then qwen-start and qwen-wait (below)
+#        (BF16 and the checkpoints QWEN_RUNS's arms train on: export QWEN_RUNS for both; BF16, NVFP4 and NF4
+#        took 69 s in session 16, 129 s in session 27), then qwen-start and qwen-wait (below)
 #   14-  (no carry)                            qwen-wait until the runs end, one call after another
 # qwen-start runs qwen-arms in its own process session: the arm:seed:base-eval list QWEN_RUNS, QWEN_PARALLEL (4)
 # at a time with OMP_NUM_THREADS=3, every run stopped at ARMS_DEADLINE (epoch s; else ARMS_TIMEOUT, 500 s, after
@@ -371,17 +372,23 @@ keep_w() {  # on the device: whichever of the frozen code, the wheels (w) and GS
 
 qwen_cfg() { echo "experiments/$QWEN_EXPERIMENT/$1.yaml"; }
 
-qwen_convert() {  # once: GGUF -> models/base (BF16 HF) -> models/bf16 and models/nvfp4, in two template workspaces
+qwen_convert() {  # GGUF -> tmpl/bf16 (models/base, the BF16 HF checkpoint, and models/bf16), then the checkpoint
+  # of each other template that an arm of QWEN_RUNS trains on (tmpl/nvfp4, tmpl/nf4, tmpl/nvfp4_gptq, ...; qwen_template),
+  # from that base. Only what QWEN_RUNS needs: min-max NVFP4 and NF4 cost 65 s that a GPTQ-only session (27) did not
+  # use. A template already converted is kept; an arm whose config this experiment lacks is skipped.
   [ -f $EXP/site/.w ] || { echo "wheels missing: run keep-w first" >&2; return 3; }
   exp_env
-  local t=$EXP/tmpl t0=$SECONDS
+  local t=$EXP/tmpl t0=$SECONDS r arm tq seen=" bf16 "
   qwen_convert_bf16 || return 7
-  local q
-  for q in nvfp4 nf4; do  # nf4's "conversion" is a copy of the 16-bit checkpoint (vLLM quantizes it as it loads)
-    [ -f "$(qwen_cfg $q)" ] || continue  # an experiment without that arm (qwen15_gsm8k) needs no such template
-    qwen_convert_from_base "$q" "$q" || return 7
+  for r in $QWEN_RUNS; do
+    arm=${r%%:*}
+    [ -f "$(qwen_cfg "$arm")" ] || continue
+    tq=$(qwen_template "$arm")
+    case "$seen" in *" $tq "*) continue ;; esac
+    seen+="$tq "
+    qwen_convert_from_base "$tq" "$arm" || return 7  # nf4's is a copy of the 16-bit checkpoint (vLLM quantizes it as it loads)
   done
-  echo "qwen convert: done in $((SECONDS - t0)) s"; du -sh $t/*/models/*
+  echo "qwen convert ($seen): done in $((SECONDS - t0)) s"; du -sh $t/*/models/*
 }
 
 qwen_convert_bf16() {  # once: GGUF -> tmpl/bf16/models/base (BF16 HF) and models/bf16. Needs exp_env's exports.
@@ -418,15 +425,7 @@ qwen_template() {  # ARM -> its checkpoint's template: tmpl/QUANT, with _OBSERVE
 
 qwen_arms() {
   [ -f /tmp/vllm-site/.complete ] || { echo "vLLM is not installed in /tmp/vllm-site" >&2; return 2; }
-  [ -f $EXP/tmpl/nf4/models/nf4/convert_report.json ] || qwen_convert || return $?
-  local r0 tq
-  for r0 in $QWEN_RUNS; do  # an arm with its own nvfp4_observer converts its checkpoint first (foreground)
-    tq=$(qwen_template "${r0%%:*}")
-    case "$tq" in
-      nvfp4_*) (exp_env; qwen_convert_from_base "$tq" "${r0%%:*}") \
-                 || return 7 ;;
-    esac
-  done
+  (qwen_convert) || return $?  # the templates QWEN_RUNS needs, those not yet converted (foreground)
   run_env
   local r arm seed base quant ws t0=$SECONDS pids=() n=0 logs=$EXP/logs
   mkdir -p "$OUT" $logs
