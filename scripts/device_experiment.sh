@@ -103,32 +103,6 @@ subprocess.run(pip + ["--only-binary=:all:", "--python-version", "3.12", "--plat
 for d in sorted(root.iterdir()):
     print(d, sum(p.stat().st_size for p in d.rglob("*") if p.is_file()), "bytes")
 EOF
-  local d rc=0
-  for d in "$QWEN_PIECES"/p*/; do carry_check "${d%/}" || rc=1; done
-  return $rc
-}
-
-carry_check() {  # PATH...: the bytes one call carrying PATHs would send (the working tree: tracked and
-  # untracked-not-ignored files; plus PATHs), against CARRY_MAX. Exit 1, naming the call's size, when over.
-  CARRY_MAX=$CARRY_MAX python3 - "$@" <<'EOF'
-import os, subprocess, sys
-from pathlib import Path
-files = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], capture_output=True, text=True,
-                       check=True).stdout.split("\0")
-tree = sum(os.path.getsize(f) for f in files if f and os.path.isfile(f))
-carried = 0
-for arg in sys.argv[1:]:
-    p = Path(arg)
-    if not p.exists():
-        sys.exit(f"carry-check: {arg} does not exist")
-    carried += p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-limit, mib = int(os.environ["CARRY_MAX"]), 2**20
-total = tree + carried
-verdict = "fits" if total <= limit else "TOO LARGE"
-print(f"carry-check {' '.join(sys.argv[1:])}: tree {tree / mib:.2f} + carried {carried / mib:.2f} = "
-      f"{total / mib:.2f} MiB of {limit / mib:.2f}: {verdict}")
-sys.exit(0 if total <= limit else 1)
-EOF
 }
 
 stash() {
