@@ -43,7 +43,7 @@ def test_a_carry_under_the_limit_fits(tmp_path):
     assert "fits" in r.stdout
 
 
-def test_a_carry_one_byte_over_is_refused_with_its_size(tmp_path):
+def test_a_carry_one_byte_over_is_refused_naming_it(tmp_path):
     piece = tmp_path / "part"
     piece.write_bytes(b"x" * 1000)
     r = carry_check(piece, limit=tree_bytes() + 999)

@@ -22,7 +22,7 @@ beside this file:
   rounded, `model.nvfp4_calibration`) from the step-0 evaluations;
   runs without an evaluation at their last step are listed under `incomplete` with the steps they
   trained (`steps` = `planned` when only the final evaluation was cut); `per_arm`, each arm's mean and
-  standard deviation over its seeds; `paired`, the seed-against-seed differences between arms (`paired`);
+  standard deviation over its seeds; `paired`, the seed-against-seed differences between arms (the function `paired`);
 - `results/curves.png`: reward, entropy, KL to the base and the samples' correct rate per step, one line per arm
   (the mean over its seeds that trained every step, evaluated or not, with a band of +- one standard
   deviation where there are two or more).
