@@ -10,8 +10,14 @@ import statistics
 
 SHAPE = dict(hidden=3584, inter=18944, layers=28, heads=28, kv_heads=4, head_dim=128, vocab=152064)
 """Qwen2.5-7B."""
+
 GLOBAL_SCALE = 150.0
 """compressed-tensors divisor of the synthetic weights: element = fp4 * block_scale / 150 (std ~0.02)."""
+
+
+def kv_bytes_per_token(shape: dict) -> int:
+    """K and V of one token over all of `shape`'s layers, in bf16."""
+    return 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * 2
 
 
 def copy_bandwidth() -> dict:

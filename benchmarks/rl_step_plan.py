@@ -22,7 +22,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SHAPE_7B = importlib.import_module("benchmarks.decode_gemm_profile").SHAPE  # Qwen2.5-7B, as the decode profile has it
+_PROFILE = importlib.import_module("benchmarks.decode_gemm_profile")
+SHAPE_7B = _PROFILE.SHAPE  # Qwen2.5-7B, as the decode profile has it
 
 GIB = 1 << 30
 ARMS = ("bf16", "nvfp4", "nvfp4-aqn")
@@ -50,7 +51,7 @@ def length_stats(lengths: list[int], max_len: int) -> dict:
 
 def kv_cache_gib(lengths: list[int], prompt: int, shape: dict, block: int = 16, headroom: float = 1.1) -> float:
     """KV cache (GiB) holding every row at its full length at once: bf16 K and V in `block`-token blocks."""
-    per_token = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * 2
+    per_token = _PROFILE.kv_bytes_per_token(shape)
     tokens = sum(math.ceil((prompt + n) / block) * block for n in lengths)
     return math.ceil(tokens * per_token * headroom / GIB * 100) / 100
 

@@ -62,7 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_children import run_child, run_overlapped, wait_for_turn  # noqa: E402
-from benchmarks.decode_gemm_profile import SHAPE, copy_bandwidth, gemm_profile  # noqa: E402
+from benchmarks.decode_gemm_profile import SHAPE, copy_bandwidth, gemm_profile, kv_bytes_per_token  # noqa: E402
 from benchmarks.rollout_checkpoints import (linear_shapes, write_adapter, write_bf16_weights,  # noqa: E402
                                             write_synthetic)
 from qerl_lib.io import atomic_write_json  # noqa: E402
@@ -98,14 +98,9 @@ def weight_bytes_per_step(fmt: str, batch: int, slot_rank: int, dense_above: int
     return int(linear_params() * per) + lm_head + lora_bytes(slot_rank)
 
 
-def kv_bytes_per_token() -> int:
-    """K and V of one token, all layers (bf16)."""
-    return 2 * SHAPE["layers"] * SHAPE["kv_heads"] * SHAPE["head_dim"] * 2
-
-
 def kv_bytes_per_step(batch: int, prompt: int, decode: int) -> int:
     """K and V read per decode step, at the mean context length prompt + decode / 2 (bf16)."""
-    return int(batch * (prompt + decode / 2) * kv_bytes_per_token())
+    return int(batch * (prompt + decode / 2) * kv_bytes_per_token(SHAPE))
 
 
 def kv_cache_bytes(max_seqs: int, max_model_len: int) -> int:
@@ -113,7 +108,7 @@ def kv_cache_bytes(max_seqs: int, max_model_len: int) -> int:
     plus 10 %, at least 1 GiB. Engines started together (`--overlap-starts`) need it: vLLM sizes its cache by
     profiling the device's memory, and counts a neighbour's allocations during that window as its own
     (`rollout.vllm_kv_cache_gib`'s reason). The cache's size does not change decode speed, only room."""
-    return max(2**30, int(1.1 * max_seqs * max_model_len * kv_bytes_per_token()))
+    return max(2**30, int(1.1 * max_seqs * max_model_len * kv_bytes_per_token(SHAPE)))
 
 
 def spread(values: list[float]) -> dict:
