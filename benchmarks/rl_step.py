@@ -182,7 +182,7 @@ def start_engine(ckpt: Path, quant: str, cfg, rows: int):
                       # the config is shared by the arms; the arm's format decides whether the GEMM applies
                       gemv_rows=gemv_rows_for(cfg, quant), gemv_kernel=rc.vllm_gemv_kernel,
                       gemv_pdl=rc.vllm_gemv_pdl,
-                      gemv_repack=rc.vllm_gemv_repack, engine_kwargs=kw)
+                      gemv_repack=rc.vllm_gemv_repack, seeded_sampler=rc.vllm_seeded_sampler, engine_kwargs=kw)
 
 
 def generate_rows(engine, prompts: list[list[int]], seeds: list[int], lengths: list[int]) -> list:
@@ -423,6 +423,8 @@ def parse_args(argv: list[str] | None = None):
                    help="rollout.vllm_gemv_rows of the NVFP4 engine (default: the config's; 0: Marlin at every batch)")
     p.add_argument("--gemv-kernel", choices=("auto", "triton", "cuda"), default=None,
                    help="rollout.vllm_gemv_kernel (default: the config's)")
+    p.add_argument("--seeded-sampler", action="store_true",
+                   help="rollout.vllm_seeded_sampler in both arms (one launch for every seeded row's sampling noise)")
     p.add_argument("--kv-gib", type=float, default=None, help="engine KV cache (default: what the rows need + 10 %%)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deadline-s", type=float, default=510.0, help="no step starts that would end after this")

@@ -197,6 +197,7 @@ def bench_config(args, kv_gib: float | None = None):
                     "max_new_tokens": args.max_completion, "temperature": 1.0, "top_p": 1.0, "vllm_lora_dual_stream": True,
                     "vllm_kv_cache_gib": kv_gib, "vllm_max_model_len": args.prompt + args.max_completion + 16,
                     **({} if args.gemv_rows is None else {"vllm_gemv_rows": args.gemv_rows}),
-                    **({} if args.gemv_kernel is None else {"vllm_gemv_kernel": args.gemv_kernel})},
+                    **({} if args.gemv_kernel is None else {"vllm_gemv_kernel": args.gemv_kernel}),
+                    **({"vllm_seeded_sampler": True} if getattr(args, "seeded_sampler", False) else {})},
         "optim": {"lr": 1e-4, "micro_batch_size": args.micro_batch, "gradient_checkpointing": True,
                   "sort_micro_batches": args.micro_batch_order == "length"}})
