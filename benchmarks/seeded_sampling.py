@@ -6,9 +6,14 @@ generators)` with one generator per row: a Python loop of `q[i].exponential_(gen
 `probs / q` and an argmax. The project's replacement draws every row's noise in one kernel
 (`seeded_race`). This times one step of each for B rows of a Qwen2.5 vocabulary (152,064), float32 probs:
 
-- `wall_ms`: host time of the call through `torch.cuda.synchronize()` (what a decode step waits for when
-  the loop's launches are the bottleneck), median of `--reps`;
-- `gpu_ms`: CUDA-event time of the same call (the GPU's share when the host runs ahead).
+- `wall_ms`: host time of the call through `torch.cuda.synchronize()`, on an idle GPU, median of `--reps`;
+- `gpu_ms`: CUDA-event time of the same call. On an idle GPU the kernels wait for the host's launches, so
+  this is close to `wall_ms` when the launches are the bottleneck;
+- `behind_gpu_ms`: CUDA-event time of the call queued behind `--behind-ms` of GPU work
+  (`torch.cuda._sleep`), as a decode step's sampler is queued behind its forward pass. The host's launches
+  then run ahead and the events time only the GPU's own execution: the part of the call a step cannot
+  hide when its host runs ahead;
+- `host_ms`: how long the call held the host in that run (returned before the GPU ran it).
 
 It also checks the replacement's draws against the distribution: `--draws` draws of one row whose
 probabilities are spread over 64 tokens, compared with the expected counts (chi-square statistic, 63
@@ -56,6 +61,7 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,64,256")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--draws", type=int, default=20000)
+    p.add_argument("--behind-ms", type=float, default=20.0, help="GPU work queued before each `behind` call")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/seeded_sampling.json"))
     args = p.parse_args()
     try:
@@ -65,32 +71,52 @@ def main() -> None:
         stock, stock_name = stock_random_sample, "stock_random_sample (vLLM not importable)"
     dev = torch.device("cuda")
     res = {"command": "python " + " ".join([sys.argv[0]] + sys.argv[1:]), "device": torch.cuda.get_device_name(0),
-           "torch": torch.__version__, "stock": stock_name, "vocab": VOCAB, "table": []}
+           "torch": torch.__version__, "stock": stock_name, "vocab": VOCAB, "behind_ms": args.behind_ms, "table": []}
 
     def gens(b, seed0):
         return {i: torch.Generator(device=dev).manual_seed(seed0 + i) for i in range(b)}
 
+    def sleep_cycles(ms: float) -> int:  # torch.cuda._sleep spins for clock cycles: calibrate once
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        torch.cuda._sleep(10**7)
+        e1.record()
+        torch.cuda.synchronize()
+        return int(10**7 * ms / e0.elapsed_time(e1))
+
+    cycles = sleep_cycles(args.behind_ms)
+
     def timed(fn, b):
         logits = torch.randn(b, VOCAB, device=dev)
-        walls, gpus = [], []
+        out = {"wall_ms": [], "gpu_ms": [], "behind_gpu_ms": [], "host_ms": []}
         for rep in range(args.reps + 3):
-            probs = logits.softmax(dim=-1)  # both functions may write probs in place
-            g = gens(b, 1000 * rep)
-            torch.cuda.synchronize()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0 = time.perf_counter()
-            e0.record()
-            fn(probs, g)
-            e1.record()
-            torch.cuda.synchronize()
-            if rep >= 3:
-                walls.append((time.perf_counter() - t0) * 1e3)
-                gpus.append(e0.elapsed_time(e1))
-        return {"wall_ms": round(statistics.median(walls), 4), "gpu_ms": round(statistics.median(gpus), 4)}
+            for behind in (False, True):
+                probs = logits.softmax(dim=-1)  # both functions may write probs in place
+                g = gens(b, 1000 * rep)
+                torch.cuda.synchronize()
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                if behind:
+                    torch.cuda._sleep(cycles)
+                t0 = time.perf_counter()
+                e0.record()
+                fn(probs, g)
+                e1.record()
+                t1 = time.perf_counter()
+                torch.cuda.synchronize()
+                if rep < 3:
+                    continue
+                if behind:
+                    out["behind_gpu_ms"].append(e0.elapsed_time(e1))
+                    out["host_ms"].append((t1 - t0) * 1e3)
+                else:
+                    out["wall_ms"].append((time.perf_counter() - t0) * 1e3)
+                    out["gpu_ms"].append(e0.elapsed_time(e1))
+        return {k: round(statistics.median(v), 4) for k, v in out.items()}
 
     for b in [int(x) for x in args.batches.split(",")]:
         row = {"batch": b, "stock": timed(stock, b), "qerl": timed(random_sample, b)}
         row["wall_ratio"] = round(row["stock"]["wall_ms"] / row["qerl"]["wall_ms"], 2)
+        row["behind_ratio"] = round(row["stock"]["behind_gpu_ms"] / row["qerl"]["behind_gpu_ms"], 2)
         res["table"].append(row)
         print(row, flush=True)
 
