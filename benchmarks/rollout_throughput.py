@@ -328,6 +328,47 @@ def child_cmd(args, spec: str, work: Path, deadline: float, after: int, dense_ab
     return cmd
 
 
+ENGINE_OVERHEAD_BYTES = int(3.6 * 2**30)
+"""What an engine holds besides weights and KV cache (CUDA context, LoRA slots, CUDA graphs, activations):
+awake memory minus both in `benchmarks/results/rl_step_h100_session28.json`'s BF16 engine, 36.44 - 14.19 - 18.67 GiB."""
+
+
+def engine_resident_bytes(spec: str, max_batch: int, max_model_len: int, dense_above: int | None,
+                          gemv_rows: int) -> int:
+    """Estimated GPU memory an engine of `spec` holds while up: its weights (linears in their format, the bf16
+    embedding and lm_head), the NVFP4 engines' extra copies (dense BF16 for `nvfp4h`/`nvfp4g` when
+    `dense_above` is set; the decode GEMM's packed codes for `nvfp4g` with `gemv_rows`), the fixed KV cache
+    `--overlap-starts` gives it (`kv_cache_bytes`) and `ENGINE_OVERHEAD_BYTES`."""
+    fmt = parse_spec(spec)[0]
+    embed_and_head = 2 * 2 * SHAPE["vocab"] * SHAPE["hidden"]
+    packed = int(linear_params() * (0.5 + 1 / 16))
+    linears = {"bf16": 2 * linear_params(), "nf4": int(linear_params() * (0.5 + 4 / 64))}.get(fmt, packed)
+    if fmt in ("nvfp4h", "nvfp4g") and dense_above is not None:
+        linears += 2 * linear_params()
+    if fmt == "nvfp4g" and gemv_rows:
+        linears += packed
+    return linears + embed_and_head + kv_cache_bytes(max_batch, max_model_len) + ENGINE_OVERHEAD_BYTES
+
+
+def check_overlap_memory(specs: list[str], max_batch: int, max_model_len: int, dense_above: int | None,
+                         gemv_rows: int, device_bytes: int, mem: float) -> None:
+    """`--overlap-starts` keeps every engine resident at once. Refuse, before anything starts, a set whose
+    estimated memory (`engine_resident_bytes`) exceeds the GPU's, or in which an engine would find less free
+    memory at its start than vLLM asks of it (`mem` x the GPU, checked against the earlier engines fully
+    loaded: the stagger usually gives them time), and say how much each engine holds."""
+    need = {spec: engine_resident_bytes(spec, max_batch, max_model_len, dense_above, gemv_rows) for spec in specs}
+    each = ", ".join(f"{spec} {b / 2**30:.1f}" for spec, b in need.items())
+    why = f"({each} GiB, with a KV cache for {max_batch} rows of {max_model_len} tokens each)"
+    if sum(need.values()) > device_bytes:
+        raise SystemExit(f"--overlap-starts: the engines need about {sum(need.values()) / 2**30:.1f} GiB together "
+                         f"{why}, the GPU has {device_bytes / 2**30:.1f}: measure the largest batches in a call of "
+                         "fewer engines")
+    free = device_bytes - sum(list(need.values())[:-1])
+    if free < mem * device_bytes:
+        raise SystemExit(f"--overlap-starts: the last engine would start with about {free / 2**30:.1f} GiB free {why}, "
+                         f"less than --mem {mem} asks ({mem * device_bytes / 2**30:.1f} GiB): pass a smaller --mem")
+
+
 def check_overlap(n_engines: int, mem: float) -> None:
     """`--overlap-starts` keeps every engine resident at once: their `--mem` shares must fit one GPU."""
     if n_engines * mem > 0.95:
@@ -411,6 +452,8 @@ def driver(args) -> None:
         return 0 if args.no_share else len(specs) - n - 1
 
     if args.overlap_starts:
+        check_overlap_memory(specs, max(int(b) for b in args.batches.split(",")), args.prompt + args.decode + 16,
+                             dense_above, args.gemv_rows, torch.cuda.get_device_properties(0).total_memory, args.mem)
         res["settings"]["overlap_starts"] = {"stagger_s": args.stagger_s}
         turns = work / "turns"
         cmds = [(spec, child_cmd(args, spec, work, deadline, after(n), dense_above) + ["--turn-dir", str(turns)])

@@ -82,6 +82,29 @@ def test_overlapped_starts_need_memory_for_every_engine():
         rt.check_overlap(3, 0.45)
 
 
+def test_overlapped_engines_must_fit_the_gpu_together():
+    """Session 28's H100 (81,559 MiB): the three engines fit with a KV cache for 64 rows and ran; for 256
+    rows they would need about 95 GiB (refused before any engine starts); an H200 holds them."""
+    specs = ["bf16-r16", "bf16-r16-ds", "nvfp4g-r16-pdl-rp"]
+    h100, h200 = 81559 * 2**20, int(139.8 * 2**30)
+    gib = {s: rt.engine_resident_bytes(s, 64, 784, 48, 8) / 2**30 for s in specs}
+    assert gib["bf16-r16"] == pytest.approx(14.19 + 1.1 * 64 * 784 * 57344 / 2**30 + 3.6, abs=0.05)
+    # NVFP4: packed linears + embedding and lm_head, the dense copies (2 bytes a weight), the decode GEMM's codes
+    assert gib["nvfp4g-r16-pdl-rp"] == pytest.approx(5.45 + 12.15 + 3.42 + 2.95 + 3.6, abs=0.05)
+    rt.check_overlap_memory(specs, 64, 784, 48, 8, h100, 0.3)
+    with pytest.raises(SystemExit, match=r"need about 95\.\d GiB together .* the GPU has 79\.6"):
+        rt.check_overlap_memory(specs, 256, 784, 48, 8, h100, 0.3)
+    rt.check_overlap_memory(specs, 256, 784, 48, 8, h200, 0.3)
+    # vLLM refuses to start an engine that finds less free memory than --mem asks of the GPU: at 512 rows two
+    # NVFP4 engines (48.2 GiB each) leave 43.4 GiB of the H200, less than 0.315 x 139.8, though all three fit
+    big = ["nvfp4g-r16", "nvfp4g-r16-ds", "bf16-r16"]
+    rt.check_overlap_memory(big, 512, 784, 48, 8, h200, 0.31)
+    with pytest.raises(SystemExit, match=r"last engine would start with about 43\.4 GiB free .* pass a smaller --mem"):
+        rt.check_overlap_memory(big, 512, 784, 48, 8, h200, 0.315)
+    # without the dense copies or the decode GEMM the NVFP4 engine holds less
+    assert rt.engine_resident_bytes("nvfp4-r16", 64, 784, None, 0) < rt.engine_resident_bytes("nvfp4g-r16", 64, 784, 48, 8)
+
+
 def test_cell_deadline_shares_the_time_left_after_later_engines_start():
     need = rt.cell_need(1, 3, 512)
     assert need == pytest.approx(1.1 * 3.5 * (512 / 150 + 0.5))
