@@ -456,7 +456,8 @@ class VLLMEngine:
         out.update(checkpoint=str(self.checkpoint), max_lora_rank=self.max_lora_rank, dense_above=self.dense_above,
                    gemv_rows=self.gemv_rows, gemv_kernel=self.gemv_kernel, gemv_pdl=self.gemv_pdl,
                    gemv_repack=self.gemv_repack, seeded_sampler=self.seeded_sampler,
-                   lora_dual_stream=self.lora_dual_stream, adapter_id=None if self.lora_request is None else self.lora_request.lora_int_id,
+                   lora_dual_stream=self.lora_dual_stream,
+                   adapter_id=None if self.lora_request is None else self.lora_request.lora_int_id,
                    adapter_version=self.slots.version, noise=list(self._noise))
         return out
 

@@ -67,10 +67,10 @@ from qerl_lib.rollout.vllm_weights import NormNoise, adapter_deltas, dequantize_
 logger = logging.getLogger(__name__)
 
 DENSE_ABOVE_ENV = "QERL_VLLM_DENSE_ABOVE"
+"""Environment variable read in the worker at load: rows above which NVFP4 linears run dense."""
 SEEDED_SAMPLER_ENV = "QERL_VLLM_SEEDED_SAMPLER"
 """"1" (`rollout.vllm_seeded_sampler`): the worker routes vLLM's sampler through
 `qerl_lib.rollout.seeded_sampler` (one launch for all seeded rows instead of one per row)."""
-"""Environment variable read in the worker at load: rows above which NVFP4 linears run dense."""
 PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 """vLLM's fused projections and their HF/PEFT parts (used when the model lists none)."""
 
