@@ -87,15 +87,24 @@ def lora_bytes(rank: int) -> int:
     return SHAPE["layers"] * sum(rank * (n + k) * 2 for n, k in linear_shapes().values())
 
 
+DENSE_BYTES_PER_WEIGHT = 2.0
+NVFP4_BYTES_PER_WEIGHT = 0.5 + 1 / 16
+"""Packed FP4 + one FP8 scale per 16."""
+NF4_BYTES_PER_WEIGHT = 0.5 + 4 / 64
+"""4-bit codes + one float32 absmax per 64 (vLLM's in-flight NF4, no double quant)."""
+
+
+def linear_bytes(fmt: str) -> int:
+    """Bytes of every linear weight of the model in `fmt`'s own storage (nvfp4* engines: the packed codes)."""
+    per = {"bf16": DENSE_BYTES_PER_WEIGHT, "nf4": NF4_BYTES_PER_WEIGHT}.get(fmt, NVFP4_BYTES_PER_WEIGHT)
+    return int(linear_params() * per)
+
+
 def weight_bytes_per_step(fmt: str, batch: int, slot_rank: int, dense_above: int | None) -> int:
     """Bytes of weights one decode step reads: linears in their format, the bf16 lm_head, LoRA slots."""
     lm_head = 2 * SHAPE["vocab"] * SHAPE["hidden"]
-    dense = fmt == "bf16" or (fmt in ("nvfp4h", "nvfp4g") and dense_above is not None and batch > dense_above)
-    if fmt == "nf4":
-        per = 0.5 + 4 / 64  # 4-bit codes + one float32 absmax per 64 (vLLM's in-flight NF4, no double quant)
-    else:
-        per = 2.0 if dense else 0.5 + 1 / 16  # packed FP4 + one FP8 scale per 16
-    return int(linear_params() * per) + lm_head + lora_bytes(slot_rank)
+    dense = fmt in ("nvfp4h", "nvfp4g") and dense_above is not None and batch > dense_above
+    return linear_bytes("bf16" if dense else fmt) + lm_head + lora_bytes(slot_rank)
 
 
 def kv_bytes_per_step(batch: int, prompt: int, decode: int) -> int:
@@ -341,12 +350,11 @@ def engine_resident_bytes(spec: str, max_batch: int, max_model_len: int, dense_a
     `--overlap-starts` gives it (`kv_cache_bytes`) and `ENGINE_OVERHEAD_BYTES`."""
     fmt = parse_spec(spec)[0]
     embed_and_head = 2 * 2 * SHAPE["vocab"] * SHAPE["hidden"]
-    packed = int(linear_params() * (0.5 + 1 / 16))
-    linears = {"bf16": 2 * linear_params(), "nf4": int(linear_params() * (0.5 + 4 / 64))}.get(fmt, packed)
+    linears = linear_bytes(fmt)
     if fmt in ("nvfp4h", "nvfp4g") and dense_above is not None:
-        linears += 2 * linear_params()
+        linears += linear_bytes("bf16")
     if fmt == "nvfp4g" and gemv_rows:
-        linears += packed
+        linears += linear_bytes(fmt)
     return linears + embed_and_head + kv_cache_bytes(max_batch, max_model_len) + ENGINE_OVERHEAD_BYTES
 
 
