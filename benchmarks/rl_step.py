@@ -30,7 +30,8 @@ from the trainer's own packed weights), the engine start, the warm-up; not done:
 (Parquet) that `qerl run` also writes, tokenization, evaluation.
 
 Engines as `qerl_lib.policy.get_engine` builds them from the rollout defaults: LoRA r16, dual-stream
-LoRA kernels ON in both arms (the best BF16 configuration too), `vllm_dense_above` auto (48 for 7B),
+LoRA kernels ON in both arms (the best BF16 configuration too), `vllm_dense_above` auto (48 for 7B on
+an H200; off on an 80 GB card, where the dense copies exceed a quarter of the engine's share; `--dense-above`),
 on NVFP4 the decode GEMM of `rollout.vllm_gemv_rows` / `vllm_gemv_kernel` (`--gemv-rows`, `--gemv-kernel`; the
 step recorded in `benchmarks/results/rl_step.json` ran before they defaulted to 8 / auto, with Marlin
 at every small batch: its engine's `linear_info` says so), sleep mode; plus max_num_seqs = all rows, a KV cache of the blocks the rows need + 10 % (no
@@ -182,7 +183,7 @@ def start_engine(ckpt: Path, quant: str, cfg, rows: int):
                       # the config is shared by the arms; the arm's format decides whether the GEMM applies
                       gemv_rows=gemv_rows_for(cfg, quant), gemv_kernel=rc.vllm_gemv_kernel,
                       gemv_pdl=rc.vllm_gemv_pdl,
-                      gemv_repack=rc.vllm_gemv_repack, seeded_sampler=rc.vllm_seeded_sampler, engine_kwargs=kw)
+                      gemv_repack=rc.vllm_gemv_repack, engine_kwargs=kw)
 
 
 def generate_rows(engine, prompts: list[list[int]], seeds: list[int], lengths: list[int]) -> list:
@@ -403,6 +404,15 @@ def merge(paths: list[str], out: str) -> dict:
     return result
 
 
+def dense_above_arg(text: str) -> int | str:
+    """`--dense-above`: a row count (at least 1), `auto` or `off`, as `rollout.vllm_dense_above` takes it."""
+    if text in ("auto", "off"):
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a row count, auto or off, got {text!r}")
+    return int(text)
+
+
 def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
@@ -423,8 +433,12 @@ def parse_args(argv: list[str] | None = None):
                    help="rollout.vllm_gemv_rows of the NVFP4 engine (default: the config's; 0: Marlin at every batch)")
     p.add_argument("--gemv-kernel", choices=("auto", "triton", "cuda"), default=None,
                    help="rollout.vllm_gemv_kernel (default: the config's)")
-    p.add_argument("--seeded-sampler", action="store_true",
-                   help="rollout.vllm_seeded_sampler in both arms (one launch for every seeded row's sampling noise)")
+    p.add_argument("--dense-above", type=dense_above_arg, default=None,
+                   help="rollout.vllm_dense_above of the NVFP4 engine: rows, auto or off (default: the config's, auto, "
+                        "which turns the dense copies off on an 80 GB card at this benchmark's memory share)")
+    p.add_argument("--engine-mem", type=float, default=None,
+                   help="rollout.vllm_gpu_memory_utilization (default: the config's, 0.5); the dense copies of "
+                        "--dense-above need more than 0.5 of an 80 GB card beside the KV cache")
     p.add_argument("--kv-gib", type=float, default=None, help="engine KV cache (default: what the rows need + 10 %%)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deadline-s", type=float, default=510.0, help="no step starts that would end after this")

@@ -205,7 +205,7 @@ def run_engine(args) -> None:
     eng = VLLMEngine(ckpt, max_lora_rank=rank, gpu_memory_utilization=args.mem, enforce_eager=False, seed=0,
                      max_model_len=args.prompt + args.decode + 16, dense_above=dense_above, lora_dual_stream=dual,
                      gemv_rows=gemv_rows, gemv_kernel=args.gemv_kernel, gemv_pdl=pdl, gemv_repack=repack,
-                     seeded_sampler=args.seeded_sampler, engine_kwargs=kwargs)
+                     engine_kwargs=kwargs)
     result["startup_seconds"] = eng.stats.startup_seconds
     result["linear_info"] = eng.rpc("qerl_linear_info")
     result["dense_above"] = dense_above
@@ -330,8 +330,6 @@ def child_cmd(args, spec: str, work: Path, deadline: float, after: int, dense_ab
            "--batches", args.batches, "--trials", str(args.trials), "--trials-large", str(args.trials_large),
            "--large-batch", str(args.large_batch), "--mem", str(args.mem), "--gemv-rows", str(args.gemv_rows),
            "--gemv-kernel", args.gemv_kernel]
-    if args.seeded_sampler:
-        cmd.append("--seeded-sampler")
     if args.loras:
         cmd += ["--loras", args.loras]
     return cmd
@@ -402,8 +400,7 @@ def driver(args) -> None:
         "settings": {"prompt": args.prompt, "decode": args.decode, "batches": args.batches, "trials": args.trials,
                      "trials_at_large_batch": args.trials_large, "large_batch": args.large_batch,
                      "gpu_memory_utilization": args.mem, "sampling": "temperature 1, top-p 1, per-request seeds, "
-                     "sampled-token logprob", "seeded_sampler": args.seeded_sampler, "prefix_caching": False,
-                     "cuda_graphs": True},
+                     "sampled-token logprob", "prefix_caching": False, "cuda_graphs": True},
         "stock_reference": STOCK_REFERENCE,
         "engines": {}, "errors": {},
     }
@@ -526,9 +523,6 @@ def main() -> None:
     p.add_argument("--mem", type=float, default=0.5, help="gpu_memory_utilization of each engine")
     p.add_argument("--dense-above", type=int, default=None, help="rows above which nvfp4h runs dense (default: profile)")
     p.add_argument("--gemv-rows", type=int, default=16, help="rows up to which nvfp4g runs the NVFP4 decode GEMM")
-    p.add_argument("--seeded-sampler", action="store_true",
-                   help="every engine samples its seeded rows in one launch (rollout.vllm_seeded_sampler, "
-                        "qerl_lib.rollout.seeded_sampler) instead of vLLM's loop over them")
     p.add_argument("--gemv-kernel", choices=("triton", "cuda", "auto"), default="triton",
                    help="nvfp4g's decode GEMM: Triton, or the CUDA C++ kernel for steps of at most 16 rows "
                         "(auto: cuda when it builds, else none)")

@@ -194,13 +194,6 @@ class RolloutConfig(_Section):
     2.040 ms (neither with PDL), 2.187 against 2.342 ms with LoRA + PDL; end to end at batch 1, 294.3 decode tok/s
     (`docs/gpu.md`, `benchmarks/results/nvfp4_gemv_session16.json`, `rollout_throughput_repacked.json`). Only the
     `cuda` kernel at up to 16 rows reads it; no extra memory (it replaces the plain copy)."""
-    vllm_seeded_sampler: bool = False
-    """Draw the sampling noise of every seeded row in one launch (`qerl_lib.rollout.seeded_sampler`) instead of
-    vLLM 0.26's loop of one `exponential_` per seeded row (every rollout row has its own seed). Same
-    distribution, reproducible per (row seed, step) whatever the batch, other numbers than vLLM's own stream.
-    Steps of fewer than 16 rows keep vLLM's loop. Measured alone on an idle H100 (one sampling step, 152,064-token
-    vocabulary, host launches included): 0.73-0.92 -> 0.26-0.50 ms at 64 rows, 2.39-2.80 -> 0.60-1.17 ms at 256
-    (`benchmarks/results/seeded_sampling_h100_*.json`); not yet measured inside an engine, hence off by default."""
 
 
 class RewardConfig(_Section):

@@ -170,7 +170,7 @@ def _engine_key(cfg: QerlConfig, checkpoint: Path) -> tuple:
     rc = cfg.rollout
     return (str(Path(checkpoint).resolve()), cfg.model.quant, rc.vllm_max_lora_rank, rc.vllm_gpu_memory_utilization,
             rc.vllm_enforce_eager, cfg.run.seed, rc.vllm_dense_above, rc.vllm_lora_dual_stream, gemv_rows_for(cfg),
-            rc.vllm_gemv_kernel, rc.vllm_gemv_pdl, rc.vllm_gemv_repack, rc.vllm_seeded_sampler,
+            rc.vllm_gemv_kernel, rc.vllm_gemv_pdl, rc.vllm_gemv_repack,
             rc.vllm_kv_cache_gib, rc.vllm_max_model_len,
             cfg.parallel.rollout_tensor_parallel, cfg.parallel.rollout_replicas)
 
@@ -221,7 +221,7 @@ def get_engine(cfg: QerlConfig, checkpoint: Path):
                       enforce_eager=rc.vllm_enforce_eager, seed=cfg.run.seed,
                       dense_above=dense_above_for(cfg, checkpoint), lora_dual_stream=rc.vllm_lora_dual_stream,
                       gemv_rows=gemv_rows_for(cfg), gemv_kernel=rc.vllm_gemv_kernel, gemv_pdl=rc.vllm_gemv_pdl,
-                      gemv_repack=rc.vllm_gemv_repack, seeded_sampler=rc.vllm_seeded_sampler,
+                      gemv_repack=rc.vllm_gemv_repack,
                       tensor_parallel_size=tp, max_model_len=rc.vllm_max_model_len,
                       quantization=vllm_quantization(cfg.model.quant), engine_kwargs=vllm_memory_kwargs(rc))
         if reps > 1:

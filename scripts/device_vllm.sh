@@ -36,8 +36,6 @@
 #                                       benchmarks/ncu_stalls.py's summary of it -> $OUT/ncu_stalls.json
 #   scripts/device_vllm.sh train-memory the chunked-MLP memory arms of benchmarks/train_step.py (micro-batch 2
 #                                       and 8, offload in both arms) -> $OUT/train_step_mlpchunk.json (~3-4 min)
-#   scripts/device_vllm.sh sampler      benchmarks/seeded_sampling.py (vLLM's per-row seeded sampling loop against
-#                                       qerl_lib.rollout.seeded_sampler, 1-256 rows) -> $OUT/seeded_sampling.json (~30 s)
 #   scripts/device_vllm.sh rl-step      benchmarks/rl_step.py (BF16 vs NVFP4 (+ AQN), 7B shape) -> $OUT/rl_step.json
 #                                       (~8.5 min; a second call with `--arms nvfp4-aqn` and --merge if cut short;
 #                                       on an H100 both arms need ~500 s: --deadline-s 550 under `timeout 595`)
@@ -225,12 +223,6 @@ EOF
     python3 benchmarks/train_step.py --mode step --micro-batches 2 8 --arms nvfp4-dq:offload \
       nvfp4-dq:offload:mlpchunk1152 nvfp4-dq:offload:mlpchunk2304 bf16:offload bf16:offload:mlpchunk1152 \
       bf16:offload:mlpchunk2304 --out "$OUT/train_step_mlpchunk.json" 2>&1 | tee "$OUT/train_step_mlpchunk.log" | tail -40
-    ;;
-  sampler)
-    gpu_env
-    python3 benchmarks/seeded_sampling.py --batches 1,8,16,32,64,128,256 --out "$OUT/seeded_sampling.json" "$@" 2>&1 \
-      | tee "$OUT/seeded_sampling.log" | tail -12
-    exit "${PIPESTATUS[0]}"
     ;;
   rl-step)
     kernel_env  # the NVFP4 engine builds the CUDA decode GEMM (rollout.vllm_gemv_kernel: auto)

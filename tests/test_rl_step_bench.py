@@ -33,6 +33,17 @@ def test_defaults_are_the_issues_step():
         rs.parse_args(["--group", "1"])
 
 
+def test_dense_above_and_engine_memory_reach_the_engine_config():
+    assert rs.bench_config(rs.parse_args([])).rollout.vllm_dense_above == "auto"
+    assert rs.bench_config(rs.parse_args(["--dense-above", "48"])).rollout.vllm_dense_above == 48
+    assert rs.bench_config(rs.parse_args(["--dense-above", "off"])).rollout.vllm_dense_above == "off"
+    assert rs.bench_config(rs.parse_args(["--engine-mem", "0.6"])).rollout.vllm_gpu_memory_utilization == 0.6
+    assert rs.bench_config(rs.parse_args([])).rollout.vllm_gpu_memory_utilization == 0.5
+    for bad in ("0", "-3", "many"):
+        with pytest.raises(SystemExit):
+            rs.parse_args(["--dense-above", bad])
+
+
 def test_completion_lengths_are_seeded_lognormal_and_clipped():
     a = rp.completion_lengths(512, 1024, seed=0)
     assert a == rp.completion_lengths(512, 1024, seed=0)

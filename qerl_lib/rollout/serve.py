@@ -60,7 +60,7 @@ def vllm_command(cfg, checkpoint: Path, host: str, port: int) -> tuple[list[str]
     from qerl_lib.policy import dense_above_for, gemv_rows_for
     from qerl_lib.rollout.vllm_engine import EXTENSION, LOGPROBS_MODE, vllm_quantization
     from qerl_lib.rollout.vllm_gemv import gemv_env
-    from qerl_lib.rollout.vllm_worker import DENSE_ABOVE_ENV, SEEDED_SAMPLER_ENV
+    from qerl_lib.rollout.vllm_worker import DENSE_ABOVE_ENV
 
     rc = cfg.rollout
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
@@ -98,9 +98,6 @@ def vllm_command(cfg, checkpoint: Path, host: str, port: int) -> tuple[list[str]
             env[name] = value
     if gemv_rows:
         env["VLLM_DISABLE_COMPILE_CACHE"] = "1"
-    env.pop(SEEDED_SAMPLER_ENV, None)
-    if rc.vllm_seeded_sampler:
-        env[SEEDED_SAMPLER_ENV] = "1"
     if cfg.parallel.rollout_tensor_parallel > 1:
         env.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
     # The project's worker extension must be importable by vLLM's workers.

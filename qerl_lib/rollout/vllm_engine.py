@@ -78,7 +78,7 @@ import torch
 
 from qerl_lib.rollout.sampling import Completion, SamplingParams, logit_scale  # noqa: F401  (re-exported)
 from qerl_lib.rollout.vllm_gemv import GEMV_KERNELS, gemv_env
-from qerl_lib.rollout.vllm_worker import DENSE_ABOVE_ENV, SEEDED_SAMPLER_ENV
+from qerl_lib.rollout.vllm_worker import DENSE_ABOVE_ENV
 
 log = logging.getLogger(__name__)
 
@@ -216,8 +216,7 @@ class VLLMEngine:
     (`qerl_lib.kernels.nvfp4_gemv_cuda` for steps of at most 16 rows) or `auto` (`cuda` when it builds
     in the worker, else none: `qerl_lib.rollout.vllm_gemv.resolve_kernel`); `gemv_pdl`: the CUDA kernel as a
     programmatic dependent launch (`rollout.vllm_gemv_pdl`); `gemv_repack`: the CUDA kernel on repacked
-    codes (`rollout.vllm_gemv_repack`, `vllm_gemv.GEMV_REPACK_ENV`). `seeded_sampler`: every seeded row's
-    sampling noise in one launch (`rollout.vllm_seeded_sampler`). `tensor_parallel_size`: GPUs the engine spans
+    codes (`rollout.vllm_gemv_repack`, `vllm_gemv.GEMV_REPACK_ENV`). `tensor_parallel_size`: GPUs the engine spans
     (vLLM's own tensor parallelism over NCCL, NVLink multicast off); every worker then holds the
     same norms, so AQN and trained norms are written by each. `quantization`: vLLM's in-flight
     quantization of a 16-bit checkpoint (`vllm_quantization`: `bitsandbytes` for NF4), or None.
@@ -240,7 +239,6 @@ class VLLMEngine:
         gemv_kernel: str = "triton",
         gemv_pdl: bool = False,
         gemv_repack: bool = False,
-        seeded_sampler: bool = False,
         tensor_parallel_size: int = 1,
         quantization: str | None = None,
         sleep_mode: bool = True,
@@ -259,7 +257,6 @@ class VLLMEngine:
         self.gemv_kernel = gemv_kernel
         self.gemv_pdl = bool(gemv_pdl and self.gemv_rows)
         self.gemv_repack = bool(gemv_repack and self.gemv_rows)
-        self.seeded_sampler = bool(seeded_sampler)
         self.merges_adapter = enable_lora and dense_above is not None
         """Whether the workers hold dense weights with the adapter merged in (re-merged on every swap)."""
         self.sleep_mode = sleep_mode
@@ -277,10 +274,6 @@ class VLLMEngine:
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
-            if self.seeded_sampler:
-                os.environ[SEEDED_SAMPLER_ENV] = "1"
-            else:
-                os.environ.pop(SEEDED_SAMPLER_ENV, None)
             if dense_above is not None or self.gemv_rows is not None:
                 # The op changes the traced graph but not vLLM's config hash: keep its compiled
                 # artifacts apart from those of a plain engine of the same model.
@@ -455,8 +448,7 @@ class VLLMEngine:
         out = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in s.__dict__.items()}
         out.update(checkpoint=str(self.checkpoint), max_lora_rank=self.max_lora_rank, dense_above=self.dense_above,
                    gemv_rows=self.gemv_rows, gemv_kernel=self.gemv_kernel, gemv_pdl=self.gemv_pdl,
-                   gemv_repack=self.gemv_repack, seeded_sampler=self.seeded_sampler,
-                   lora_dual_stream=self.lora_dual_stream,
+                   gemv_repack=self.gemv_repack, lora_dual_stream=self.lora_dual_stream,
                    adapter_id=None if self.lora_request is None else self.lora_request.lora_int_id,
                    adapter_version=self.slots.version, noise=list(self._noise))
         return out

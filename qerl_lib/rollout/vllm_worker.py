@@ -43,8 +43,6 @@ per step on the 7B shape, which at batch 1 costs 30% of NVFP4's speed.
   the Triton kernel. `auto` (the config's default) is `cuda` for at most 16 rows when the extension
   builds, and no decode GEMM at all (Marlin, with a warning and `gemv_fallback` in
   `qerl_linear_info`) when it does not (`vllm_gemv.resolve_kernel`).
-- `QERL_VLLM_SEEDED_SAMPLER=1` (`rollout.vllm_seeded_sampler`): vLLM's sampler draws the noise of every
-  seeded row in one launch (`qerl_lib.rollout.seeded_sampler`) instead of one `exponential_` per row.
 """
 
 from __future__ import annotations
@@ -68,9 +66,6 @@ logger = logging.getLogger(__name__)
 
 DENSE_ABOVE_ENV = "QERL_VLLM_DENSE_ABOVE"
 """Environment variable read in the worker at load: rows above which NVFP4 linears run dense."""
-SEEDED_SAMPLER_ENV = "QERL_VLLM_SEEDED_SAMPLER"
-""""1" (`rollout.vllm_seeded_sampler`): the worker routes vLLM's sampler through
-`qerl_lib.rollout.seeded_sampler` (one launch for all seeded rows instead of one per row)."""
 PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 """vLLM's fused projections and their HF/PEFT parts (used when the model lists none)."""
 
@@ -334,10 +329,6 @@ def _worker_side_import() -> None:
     except ImportError:
         return
     install_patches()
-    if os.environ.get(SEEDED_SAMPLER_ENV) == "1":
-        from qerl_lib.rollout.seeded_sampler import patch_vllm
-
-        _STATE["seeded_sampler"] = patch_vllm()
 
 
 _worker_side_import()
@@ -439,7 +430,6 @@ class AQNWorkerExtension:
                 "host_bytes": host_bytes, "gemv_rows": _STATE["gemv_rows"], "gemv_bytes": gemv_bytes,
                 "gemv_kernel": _STATE["gemv_kernel"], "gemv_fallback": _STATE.get("gemv_resolved", (None, 0, None))[2],
                 "gemv_repacked": _STATE["gemv_repacked"],
-                "seeded_sampler": _STATE.get("seeded_sampler", False),
                 "merged_adapter": _STATE["adapter"],
                 "lora_dual_stream": os.environ.get("VLLM_LORA_ENABLE_DUAL_STREAM", "0") == "1"}
 
