@@ -244,9 +244,13 @@ QUIET_ENV = {
 
 def quiet_env(**extra: str) -> dict:
     """os.environ with telemetry off (DVC, Prefect, HF), unbuffered Python and a git identity,
-    and the venv's bin first on PATH (so `qerl` and `dvc` resolve even without activation)."""
+    the venv's bin first on PATH (so `qerl` and `dvc` resolve even without activation), and this
+    checkout first on PYTHONPATH: a child (`qerl ...`, `python -m qerl_lib`) then imports the tree
+    under test, not the one the venv was installed from (a worktree sharing the venv of another
+    checkout would otherwise test its own code in-process and the other's in every child)."""
     env = {**_os.environ, **QUIET_ENV, **extra}
     env["PATH"] = str(Path(_sys.executable).parent) + _os.pathsep + env.get("PATH", "")
+    env["PYTHONPATH"] = _os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
     return env
 
 

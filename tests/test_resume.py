@@ -68,11 +68,17 @@ def partial_files(root: Path) -> list[Path]:
 
 
 def assert_same_as_reference(ws: Path, ref: Path) -> None:
-    for rel in SAME_BYTES:
-        assert (ws / rel).read_bytes() == (ref / rel).read_bytes(), rel
+    """Every file that differs is named, with the update metrics that differ beside them (resumed,
+    reference): a failure then shows whether one file or a whole update moved."""
+    differ = [rel for rel in SAME_BYTES if (ws / rel).read_bytes() != (ref / rel).read_bytes()]
+    metrics = {}
     for i in range(STEPS):
         rel = f"metrics/step={i}/update.json"
-        assert _without_timing(ws / rel) == _without_timing(ref / rel), rel
+        got, want = _without_timing(ws / rel), _without_timing(ref / rel)
+        if got != want:
+            metrics[rel] = {k: (got.get(k), want.get(k)) for k in sorted(got.keys() | want.keys())
+                            if got.get(k) != want.get(k)}
+    assert not differ and not metrics, f"bytes differ: {differ}; update metrics (resumed, reference): {metrics}"
     assert not partial_files(ws), partial_files(ws)
 
 
