@@ -198,8 +198,7 @@ def bench_config(args, kv_gib: float | None = None):
                     "vllm_kv_cache_gib": kv_gib, "vllm_max_model_len": args.prompt + args.max_completion + 16,
                     **({} if args.gemv_rows is None else {"vllm_gemv_rows": args.gemv_rows}),
                     **({} if args.gemv_kernel is None else {"vllm_gemv_kernel": args.gemv_kernel}),
-                    **({} if getattr(args, "dense_above", None) is None else {"vllm_dense_above": args.dense_above}),
-                    **({} if getattr(args, "engine_mem", None) is None
-                       else {"vllm_gpu_memory_utilization": args.engine_mem})},
+                    **({} if args.dense_above is None else {"vllm_dense_above": args.dense_above}),
+                    **({} if args.engine_mem is None else {"vllm_gpu_memory_utilization": args.engine_mem})},
         "optim": {"lr": 1e-4, "micro_batch_size": args.micro_batch, "gradient_checkpointing": True,
                   "sort_micro_batches": args.micro_batch_order == "length"}})
