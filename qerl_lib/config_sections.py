@@ -162,7 +162,9 @@ class RolloutConfig(_Section):
     linears run as one dense BF16 GEMM with the adapter merged in (Marlin + LoRA kernels at or
     below). Costs 2 bytes per quantized weight of GPU memory. `auto`: 48 (the Marlin-vs-cuBLAS
     crossover measured on the H200) when the dense copies take at most a quarter of the
-    engine's memory budget, else `off`; `off`: Marlin at every batch."""
+    engine's memory budget, else `off`; `off`: Marlin at every batch. A 7B model on an 80 GB card
+    needs `vllm_gpu_memory_utilization` >= 0.62 for `auto` to keep them; there they made the RL
+    step's rollout 1.53x faster for 11 GiB more peak memory (`docs/gpu.md`, session 30)."""
     vllm_lora_dual_stream: bool = True
     """Run vLLM's LoRA kernels on a second CUDA stream beside the base GEMM
     (`VLLM_LORA_ENABLE_DUAL_STREAM`): at small batch their cost is launch latency, which the overlap
