@@ -164,7 +164,8 @@ class RolloutConfig(_Section):
     crossover measured on the H200) when the dense copies take at most a quarter of the
     engine's memory budget, else `off`; `off`: Marlin at every batch. A 7B model on an 80 GB card
     needs `vllm_gpu_memory_utilization` >= 0.62 for `auto` to keep them; there they made the RL
-    step's rollout 1.53x faster for 11 GiB more peak memory (`docs/gpu.md`, session 30)."""
+    step's rollout 1.53x faster for 11 GiB more peak memory (`docs/gpu.md`, session 30). `auto`
+    logs a warning naming that share when it declines them."""
     vllm_lora_dual_stream: bool = True
     """Run vLLM's LoRA kernels on a second CUDA stream beside the base GEMM
     (`VLLM_LORA_ENABLE_DUAL_STREAM`): at small batch their cost is launch latency, which the overlap

@@ -24,6 +24,7 @@ from qerl_lib.rollout.vllm_engine import (
     AdapterSlots,
     VLLMEngine,
     auto_dense_above,
+    dense_declined_note,
     linear_param_count,
     logit_scale,
     to_completion,
@@ -274,17 +275,58 @@ def test_direct_nvfp4_writer_matches_llm_compressor(kind, tiny_llama_dir, tiny_q
     assert (out / "tokenizer.json").is_file()
 
 
-def test_regime_choice_counts_the_dense_copy_of_a_7b_model(tmp_path):
-    qwen7b = {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4,
-              "num_hidden_layers": 28}
-    assert linear_param_count(qwen7b) == 6_525_288_448
+QWEN7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4,
+          "num_hidden_layers": 28}
+
+
+def qwen7b_checkpoint(tmp_path, quantized: bool = True) -> Path:
+    """A folder with only the config.json of a Qwen2.5-7B-shaped checkpoint (NVFP4 or BF16)."""
     ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text(json.dumps({**qwen7b, "quantization_config": {"format": "nvfp4"}}))
+    ckpt.mkdir(exist_ok=True)
+    config = {**QWEN7B, **({"quantization_config": {"format": "nvfp4"}} if quantized else {})}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    return ckpt
+
+
+def test_regime_choice_counts_the_dense_copy_of_a_7b_model(tmp_path):
+    assert linear_param_count(QWEN7B) == 6_525_288_448
+    ckpt = qwen7b_checkpoint(tmp_path)
     assert auto_dense_above(ckpt, 0.5 * 141e9, 32) == 32  # 13 GB of dense copies in a 70 GB budget
     assert auto_dense_above(ckpt, 0.3 * 80e9, 32) is None  # not in 24 GB
-    (ckpt / "config.json").write_text(json.dumps(qwen7b))
+    ckpt = qwen7b_checkpoint(tmp_path, quantized=False)
     assert auto_dense_above(ckpt, 1e12, 32) is None  # a BF16 checkpoint needs no dense copy
+
+
+def test_auto_says_when_it_declines_the_dense_copies_and_what_keeps_them(tmp_path):
+    ckpt, h100 = qwen7b_checkpoint(tmp_path), 79.2 * 2**30  # torch's total_memory of an H100 80GB HBM3
+    note = dense_declined_note(ckpt, h100, 0.5)  # the default share: 13.05 GB > 0.25 x 0.5 x 79.2 GiB
+    assert "13.05 GB" in note and ">= 0.62 keeps them" in note and "vllm_dense_above: off" in note
+    assert auto_dense_above(ckpt, 0.62 * h100, 48) == 48  # the share it names does keep them
+    assert auto_dense_above(ckpt, 0.61 * h100, 48) is None
+    assert dense_declined_note(ckpt, h100, 0.65) is None  # session 30's setting: auto keeps them
+    assert "cannot fit" in dense_declined_note(ckpt, 40e9, 0.9)  # 13 GB > a quarter of a whole 40 GB card
+    assert dense_declined_note(ckpt, 0, 0.5) is None  # no GPU: nothing chosen, nothing to say
+    assert dense_declined_note(qwen7b_checkpoint(tmp_path, quantized=False), h100, 0.5) is None
+
+
+def test_engine_regime_warns_when_auto_declines_the_dense_copies(tmp_path, monkeypatch, caplog):
+    from qerl_lib import policy
+    from qerl_lib.config import QerlConfig
+
+    ckpt = qwen7b_checkpoint(tmp_path)
+    monkeypatch.setattr(policy.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(policy.torch.cuda, "get_device_properties",
+                        lambda i: SimpleNamespace(total_memory=int(79.2 * 2**30)))
+    cfg = QerlConfig.model_validate({"model": {"quant": "nvfp4"}, "rollout": {"backend": "vllm"}})
+    with caplog.at_level("WARNING", logger="qerl_lib.policy"):
+        assert policy.dense_above_for(cfg, ckpt) is None
+    assert "no dense copies" in caplog.text and ">= 0.62" in caplog.text
+    caplog.clear()
+    cfg = QerlConfig.model_validate({"model": {"quant": "nvfp4"},
+                                     "rollout": {"backend": "vllm", "vllm_gpu_memory_utilization": 0.65}})
+    with caplog.at_level("WARNING", logger="qerl_lib.policy"):
+        assert policy.dense_above_for(cfg, ckpt) == policy.DEFAULT_DENSE_ABOVE
+    assert caplog.text == ""
 
 
 # =============================================================================== CPU: engine and Policy wiring

@@ -68,6 +68,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -486,11 +487,40 @@ def linear_param_count(config: dict) -> int:
     return per_layer * config["num_hidden_layers"]
 
 
-def auto_dense_above(checkpoint: str | Path, budget_bytes: float, threshold: int, share: float = 0.25) -> int | None:
+DENSE_SHARE = 0.25
+"""Most of an engine's memory budget that `auto` gives the dense copies: the rest holds the 4-bit
+weights, the KV cache and CUDA graphs."""
+
+
+def dense_copy_bytes(checkpoint: str | Path) -> int | None:
+    """GPU bytes of an NVFP4 checkpoint's dense copies (2 per quantized weight); None when the
+    checkpoint is not quantized (its engine needs no copy)."""
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    return 2 * linear_param_count(config) if "quantization_config" in config else None
+
+
+def auto_dense_above(checkpoint: str | Path, budget_bytes: float, threshold: int,
+                     share: float = DENSE_SHARE) -> int | None:
     """`threshold` when the checkpoint is NVFP4 and its dense copies (2 bytes per quantized
     weight) take at most `share` of the engine's memory budget; else None (Marlin only)."""
-    config = json.loads((Path(checkpoint) / "config.json").read_text())
-    if "quantization_config" not in config:
+    dense = dense_copy_bytes(checkpoint)
+    return threshold if dense is not None and dense <= share * budget_bytes else None
+
+
+def dense_declined_note(checkpoint: str | Path, total_bytes: float, utilization: float,
+                        share: float = DENSE_SHARE) -> str | None:
+    """Why `auto` runs an NVFP4 engine without its dense copies on this card, and the
+    `rollout.vllm_gpu_memory_utilization` that would keep them; None when `auto` keeps them or the
+    checkpoint needs none. Without the copies, rows above the decode GEMM's run Marlin + LoRA, slower
+    than BF16 at tens to hundreds of rows (a 7B RL step on an 80 GB card: 17.9 s of rollout against
+    11.7 s with them, `docs/gpu.md`, session 30)."""
+    dense = dense_copy_bytes(checkpoint)
+    if dense is None or total_bytes <= 0 or dense <= share * utilization * total_bytes:
         return None
-    dense = 2 * linear_param_count(config)
-    return threshold if dense <= share * budget_bytes else None
+    need = dense / (share * total_bytes)
+    fix = (f"rollout.vllm_gpu_memory_utilization >= {math.ceil(need * 100) / 100:.2f} keeps them"
+           if need <= 1 else "they cannot fit this card's memory")
+    return (f"rollout.vllm_dense_above auto: no dense copies for {checkpoint} ({dense / 1e9:.2f} GB is more than "
+            f"{share:g} of the engine's {utilization:g} x {total_bytes / 2**30:.1f} GiB); rows above the decode "
+            f"GEMM's run Marlin + LoRA, slower than BF16 at tens to hundreds of rows; {fix}, or set "
+            f"rollout.vllm_dense_above: off to run without them knowingly")
