@@ -300,11 +300,11 @@ def test_regime_choice_counts_the_dense_copy_of_a_7b_model(tmp_path):
 def test_auto_says_when_it_declines_the_dense_copies_and_what_keeps_them(tmp_path):
     ckpt, h100 = qwen7b_checkpoint(tmp_path), 79.2 * 2**30  # torch's total_memory of an H100 80GB HBM3
     note = dense_declined_note(ckpt, h100, 0.5)  # the default share: 13.05 GB > 0.25 x 0.5 x 79.2 GiB
-    assert "13.05 GB" in note and ">= 0.62 keeps them" in note and "vllm_dense_above: off" in note
+    assert "13.05 GB" in note and ">= 0.62 lets auto keep them" in note and "off runs without them" in note
     assert auto_dense_above(ckpt, 0.62 * h100, 48) == 48  # the share it names does keep them
     assert auto_dense_above(ckpt, 0.61 * h100, 48) is None
     assert dense_declined_note(ckpt, h100, 0.65) is None  # session 30's setting: auto keeps them
-    assert "cannot fit" in dense_declined_note(ckpt, 40e9, 0.9)  # 13 GB > a quarter of a whole 40 GB card
+    assert "no vllm_gpu_memory_utilization" in dense_declined_note(ckpt, 40e9, 0.9)  # > a quarter of 40 GB
     assert dense_declined_note(ckpt, 0, 0.5) is None  # no GPU: nothing chosen, nothing to say
     assert dense_declined_note(qwen7b_checkpoint(tmp_path, quantized=False), h100, 0.5) is None
 

@@ -518,9 +518,9 @@ def dense_declined_note(checkpoint: str | Path, total_bytes: float, utilization:
     if dense is None or total_bytes <= 0 or dense <= share * utilization * total_bytes:
         return None
     need = dense / (share * total_bytes)
-    fix = (f"rollout.vllm_gpu_memory_utilization >= {math.ceil(need * 100) / 100:.2f} keeps them"
-           if need <= 1 else "they cannot fit this card's memory")
-    return (f"rollout.vllm_dense_above auto: no dense copies for {checkpoint} ({dense / 1e9:.2f} GB is more than "
-            f"{share:g} of the engine's {utilization:g} x {total_bytes / 2**30:.1f} GiB); rows above the decode "
-            f"GEMM's run Marlin + LoRA, slower than BF16 at tens to hundreds of rows; {fix}, or set "
-            f"rollout.vllm_dense_above: off to run without them knowingly")
+    keep = (f"rollout.vllm_gpu_memory_utilization >= {math.ceil(need * 100) / 100:.2f} lets auto keep them"
+            if need <= 1 else "no vllm_gpu_memory_utilization lets auto keep them on this card")
+    return (f"rollout.vllm_dense_above auto: no dense copies for {checkpoint} ({dense / 1e9:.2f} GB, more than "
+            f"{share:g} of the engine's {utilization:g} x {total_bytes / 2**30:.1f} GiB), so rows above the decode "
+            f"GEMM's run Marlin + LoRA, slower than BF16 at tens to hundreds of rows. {keep}; "
+            f"rollout.vllm_dense_above: ROWS forces them; off runs without them and without this warning")
