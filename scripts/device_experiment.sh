@@ -287,7 +287,8 @@ EOF
 # Session 20 (H100, budget 1470 s after call 1): calls 2-11 took 80 s of it, ARMS_DEADLINE=T0+1170 and the
 # waits to T0+1225; two recipe-2 runs ended at 943 and 989 s (766-788 s on the H200), 158 s were left.
 # The run calls use a frozen copy of the code: `snap` here writes .device/snap.tgz (qerl_lib, flows, tasks,
-# scripts, experiments/$QWEN_EXPERIMENT); carry it with call 1, and `keep-w` unpacks it into /tmp/qerl-exp/src,
+# scripts, experiments/$QWEN_EXPERIMENT); carry it with call 3 (beside vLLM's piece a it is over the limit
+# since session 30), and `keep-w` unpacks it into /tmp/qerl-exp/src,
 # so edits made here meanwhile cannot change a run between its calls. A run stopped at its deadline resumes
 # with another qwen-arms call while the machine still holds its workspace.
 # An arm whose config sets model.nvfp4_observer (nvfp4_aqn_mse) or model.nvfp4_calibration (nvfp4_aqn_gptq) gets its
