@@ -161,7 +161,7 @@ _CACHE: dict[tuple, Policy] = {}
 _ENGINES: dict[tuple, object] = {}
 DEFAULT_DENSE_ABOVE = 48
 """Rows (sequences in a decode step) above which an NVFP4 engine runs its linears on dense
-copies, when memory allows (`qerl_lib.rollout.vllm_engine.auto_dense_above`): the Marlin-vs-cuBLAS
+copies, when memory allows (`qerl_lib.rollout.dense_regime`): the Marlin-vs-cuBLAS
 crossover measured on the H200 for the 7B shape (Marlin faster up to 48 rows, slower from 64;
 `benchmarks/results/rollout_throughput.json`, `gemm_profile`)."""
 
@@ -182,17 +182,20 @@ def vllm_memory_kwargs(rc) -> dict:
 
 def dense_above_for(cfg: QerlConfig, checkpoint: Path) -> int | None:
     """`rollout.vllm_dense_above` resolved for `checkpoint`: rows, or None (Marlin at every batch)."""
-    from qerl_lib.rollout.vllm_engine import auto_dense_above, dense_declined_note
+    from qerl_lib.rollout.dense_regime import copies_fit, dense_copy_bytes, dense_declined_note
 
     rc = cfg.rollout
     if rc.vllm_dense_above == "off" or cfg.parallel.rollout_tensor_parallel > 1:
         return None  # the dense copies of a tensor-parallel engine are not wired (vllm_worker)
     if rc.vllm_dense_above == "auto":
         total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
-        rows = auto_dense_above(checkpoint, rc.vllm_gpu_memory_utilization * total, DEFAULT_DENSE_ABOVE)
-        if rows is None and (note := dense_declined_note(checkpoint, total, rc.vllm_gpu_memory_utilization)):
+        util = rc.vllm_gpu_memory_utilization
+        dense = dense_copy_bytes(checkpoint)
+        if copies_fit(dense, util * total):
+            return DEFAULT_DENSE_ABOVE
+        if note := dense_declined_note(checkpoint, total, util, dense=dense):
             log.warning(note)  # silent, it hid a rollout slower than BF16 on 80 GB cards (docs/gpu.md)
-        return rows
+        return None
     return int(rc.vllm_dense_above)
 
 

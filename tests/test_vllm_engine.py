@@ -23,13 +23,11 @@ from qerl_lib.nvfp4_checkpoint import write_nvfp4_checkpoint
 from qerl_lib.rollout.vllm_engine import (
     AdapterSlots,
     VLLMEngine,
-    auto_dense_above,
-    dense_declined_note,
-    linear_param_count,
     logit_scale,
     to_completion,
     vllm_sampling_kwargs,
 )
+from qerl_lib.rollout.dense_regime import auto_dense_above, dense_declined_note, linear_param_count
 from qerl_lib.rollout.vllm_weights import NormNoise, adapter_deltas, dequantize_partitions, merge_partitions
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None

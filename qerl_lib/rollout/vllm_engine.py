@@ -66,9 +66,7 @@ What the engine does, and why:
 from __future__ import annotations
 
 import gc
-import json
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -471,56 +469,3 @@ def _make_lora_request(name: str, lora_id: int, path: str):
     from vllm.lora.request import LoRARequest
 
     return LoRARequest(name, lora_id, path)
-
-
-# ============================================================================ choosing the regime
-
-
-def linear_param_count(config: dict) -> int:
-    """Weights of the decoder linears (q, k, v, o, gate, up, down) of a Llama/Qwen2 config."""
-    h = config["hidden_size"]
-    inter = config["intermediate_size"]
-    heads = config["num_attention_heads"]
-    kv = config.get("num_key_value_heads", heads)
-    head_dim = config.get("head_dim") or h // heads
-    per_layer = h * heads * head_dim * 2 + 2 * h * kv * head_dim + 3 * h * inter
-    return per_layer * config["num_hidden_layers"]
-
-
-DENSE_SHARE = 0.25
-"""Most of an engine's memory budget that `auto` gives the dense copies: the rest holds the 4-bit
-weights, the KV cache and CUDA graphs."""
-
-
-def dense_copy_bytes(checkpoint: str | Path) -> int | None:
-    """GPU bytes of an NVFP4 checkpoint's dense copies (2 per quantized weight); None when the
-    checkpoint is not quantized (its engine needs no copy)."""
-    config = json.loads((Path(checkpoint) / "config.json").read_text())
-    return 2 * linear_param_count(config) if "quantization_config" in config else None
-
-
-def auto_dense_above(checkpoint: str | Path, budget_bytes: float, threshold: int,
-                     share: float = DENSE_SHARE) -> int | None:
-    """`threshold` when the checkpoint is NVFP4 and its dense copies (2 bytes per quantized
-    weight) take at most `share` of the engine's memory budget; else None (Marlin only)."""
-    dense = dense_copy_bytes(checkpoint)
-    return threshold if dense is not None and dense <= share * budget_bytes else None
-
-
-def dense_declined_note(checkpoint: str | Path, total_bytes: float, utilization: float,
-                        share: float = DENSE_SHARE) -> str | None:
-    """Why `auto` runs an NVFP4 engine without its dense copies on this card, and the
-    `rollout.vllm_gpu_memory_utilization` that would keep them; None when `auto` keeps them or the
-    checkpoint needs none. Without the copies, rows above the decode GEMM's run Marlin + LoRA, slower
-    than BF16 at tens to hundreds of rows (a 7B RL step on an 80 GB card: 17.9 s of rollout against
-    11.7 s with them, `docs/gpu.md`, session 30)."""
-    dense = dense_copy_bytes(checkpoint)
-    if dense is None or total_bytes <= 0 or dense <= share * utilization * total_bytes:
-        return None
-    need = dense / (share * total_bytes)
-    keep = (f"rollout.vllm_gpu_memory_utilization >= {math.ceil(need * 100) / 100:.2f} lets auto keep them"
-            if need <= 1 else "no vllm_gpu_memory_utilization lets auto keep them on this card")
-    return (f"rollout.vllm_dense_above auto: no dense copies for {checkpoint} ({dense / 1e9:.2f} GB, more than "
-            f"{share:g} of the engine's {utilization:g} x {total_bytes / 2**30:.1f} GiB), so rows above the decode "
-            f"GEMM's run Marlin + LoRA, slower than BF16 at tens to hundreds of rows. {keep}; "
-            f"rollout.vllm_dense_above: ROWS forces them; off runs without them and without this warning")
