@@ -298,8 +298,11 @@ EOF
 # last piece, `cd /tmp/qerl-exp/src && QWEN_EXPERIMENT=qwen05_gsm8k_v2 bash scripts/device_experiment.sh
 # qwen-base-evals nvfp4_aqn_gptq nvfp4`: converts each arm's checkpoint (sequentially), evaluates its zero adapter
 # at step 0 (eval.base=true; QWEN_EVAL_SET="-s eval.k=1" for greedy plus one sample), the evaluations overlapping,
-# and copies each metrics.json to $OUT as soon as it is written. Needs about 90 s of conversions plus 100-190 s
-# per evaluation on top of calls 1-11 (tried locally with the tiny model; not yet on the GPU).
+# and copies each metrics.json to $OUT as soon as it is written; here, `summarize.py --base-evals <that $OUT>` files
+# them. Session 31 (H100, `qwen-base-evals nf4 nvfp4_aqn_mse` under `timeout 400`): BF16 42 s, NF4 10 s, the MSE
+# conversion 47 s; the MSE base's evaluation ended at 367 s (engine start 101 s, 228 s in all), and NF4's, in
+# vLLM's bitsandbytes path (engine start 144 s), had not finished its sampled rows when the timeout came.
+# So give one evaluation about 300 s, and an NF4 one more, on top of calls 1-11.
 # Here: `pack-qwen05` (above) and `GSM8K_DIR=... pack-w` (llm-compressor's wheels and GSM8K's two files).
 QWEN_EXPERIMENT=${QWEN_EXPERIMENT:-qwen05_gsm8k}  # the folder of experiments/ whose ARM.yaml the runs use
 QWEN_RUNS=${QWEN_RUNS:-"bf16:0:true nvfp4:0:true nvfp4_aqn:0:false bf16_aqn:0:false nvfp4_aqn_rel:0:false
@@ -483,8 +486,9 @@ qwen_base_evals() {  # ARM ...: each arm's base checkpoint (converted here; GPTQ
     tq=$(qwen_template "$arm"); quant=${tq%%_*}; cfg=$(qwen_cfg "$arm"); ws=$EXP/runs/$arm/seed0
     if [ "$tq" != bf16 ]; then
       (exp_env; qwen_convert_from_base "$tq" "$arm") || return 7
-      cp $EXP/tmpl/$tq/models/$quant/convert_report.json "$OUT/$arm.convert_report.json"
     fi
+    # summarize.py --base-evals names the base by this report (quantization, observer, GPTQ) and its hash
+    cp $EXP/tmpl/$tq/models/$quant/convert_report.json "$OUT/$arm.convert_report.json"
     echo "[$((SECONDS - t0)) s] $tq ready"
     qwen_workspace "$ws" "$tq" "$quant" || return 8
     ( run_env; export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}

@@ -131,6 +131,7 @@ def test_recipe_2_summary_is_recomputed_from_its_committed_runs(summarize, tmp_p
     committed_v2 = json.loads((V2 / "summary.json").read_text())
     out = tmp_path / "results"
     shutil.copytree(V2 / "runs", out / "runs")
+    shutil.copytree(V2 / "base_evals", out / "base_evals")
     got = summarize.summarize(out, "qwen05_gsm8k_v2", Path("experiments/qwen05_gsm8k/results/summary.json"))
     assert got == committed_v2
     for arm, seeds in V2_MULTI_SEED_ARMS.items():
@@ -178,3 +179,48 @@ def test_docs_quote_recipe_2s_paired_differences(pair):
     for key in ("greedy_acc", "pass1"):
         quoted = f"{100 * p[f'{key}_mean']:+.1f} ± {100 * p[f'{key}_std']:.1f}"
         assert quoted in text, f"docs/results_qwen05_gsm8k.md: {pair} should quote {quoted} ({key})"
+
+
+def test_a_base_evaluated_without_training_is_filed_by_its_checkpoint(summarize, tmp_path):
+    """`--base-evals`: a `qwen-base-evals` $OUT goes to results/base_evals/ARM; its row is named by its convert
+    report (quantization, observer, GPTQ), not by the arm, is refused when the runs of that base trained on
+    other bytes, and gives way to a run's own step-0 evaluation. An evaluation that did not finish is not taken,
+    and a metrics file without its convert report stops the collection before anything is copied."""
+    mse = V2 / "base_evals" / "nvfp4_aqn_mse"
+    src = tmp_path / "device_out"
+    src.mkdir()
+    shutil.copy(mse / "metrics.json", src / "nvfp4_aqn_mse.step0_metrics.json")
+    shutil.copy(mse / "convert_report.json", src / "nvfp4_aqn_mse.convert_report.json")
+    (src / "nvfp4_aqn_mse.base.log").write_text("prepare: x\nqerl-progress eval@0 sampled: 0/5276\neval@0: pass@1 0.203 greedy 0.239\n")
+    (src / "nf4.convert_report.json").write_text("{}")  # its evaluation never wrote metrics: not taken
+    out = tmp_path / "results"
+    summarize.collect_base_evals([src], out, "qwen05_gsm8k_v2")
+    assert sorted(p.name for p in (out / "base_evals").iterdir()) == ["nvfp4_aqn_mse"]
+    assert (out / "base_evals" / "nvfp4_aqn_mse" / "stages.log").read_text() == "prepare: x\neval@0: pass@1 0.203 greedy 0.239\n"
+    assert "qwen-base-evals nvfp4_aqn_mse" in json.loads((out / "base_evals" / "nvfp4_aqn_mse" / "metrics.json").read_text())["command"]
+
+    got = summarize.summarize(out)
+    assert [(r["arm"], r["from_base_eval"], r["greedy_acc"]) for r in got["base"]] == [
+        ("base_nvfp4_nvfp4_expanded_mse", "base_evals/nvfp4_aqn_mse", json.loads((mse / "metrics.json").read_text())["greedy_acc"])]
+    assert got["rows"] == got["base"] and got["per_arm"] == {}
+
+    run = out / "runs" / "nvfp4_aqn_mse" / "seed0"  # a run of that observer's base, on other bytes
+    shutil.copytree(V2 / "runs" / "nvfp4_aqn" / "seed0", run)
+    cfg = run / "config.yaml"
+    cfg.write_text(cfg.read_text().replace("  quant: nvfp4\n", "  quant: nvfp4\n  nvfp4_observer: nvfp4_expanded_mse\n"))
+    with pytest.raises(ValueError, match=r"base_evals/nvfp4_aqn_mse/convert_report.json: checkpoint 31037aed\w+, but "
+                                         r"the base_nvfp4_nvfp4_expanded_mse runs of .* trained on 9c056d81"):
+        summarize.summarize(out)
+    report = run / "convert_report.json"  # the same bytes: the run's arm counts, the base row stays the base eval's
+    report.write_text(json.dumps({**json.loads(report.read_text()), "checkpoint_hash": got["base"][0]["checkpoint_hash"]}))
+    again = summarize.summarize(out)
+    assert again["base"] == got["base"] and "nvfp4_aqn_mse" in again["per_arm"]
+    (run / "eval" / "step=0").mkdir()  # the run measured its base itself: its row stands, the base eval's gives way
+    shutil.copy(V2 / "runs" / "nvfp4_aqn_gptq" / "seed0" / "eval" / "step=0" / "metrics.json", run / "eval" / "step=0")
+    assert [r.get("from_run") for r in summarize.summarize(out)["base"]] == ["nvfp4_aqn_mse/seed0"]
+
+    (src / "nvfp4.step0_metrics.json").write_text("{}")  # no nvfp4.convert_report.json beside it
+    shutil.rmtree(out / "base_evals")
+    with pytest.raises(ValueError, match=r"nvfp4.convert_report.json: missing beside nvfp4.step0_metrics.json"):
+        summarize.collect_base_evals([src], out, "qwen05_gsm8k_v2")
+    assert not (out / "base_evals").exists()

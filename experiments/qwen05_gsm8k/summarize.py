@@ -3,12 +3,16 @@
     python experiments/qwen05_gsm8k/summarize.py --archive DIR [--archive DIR ...]
     python experiments/qwen05_gsm8k/summarize.py --experiment qwen05_gsm8k_v2 --archive DIR \
         --base-from experiments/qwen05_gsm8k/results/summary.json
+    python experiments/qwen05_gsm8k/summarize.py --experiment qwen05_gsm8k_v2 --base-evals DIR \
+        --base-from experiments/qwen05_gsm8k/results/summary.json
 
 `--experiment NAME` summarizes the runs of `experiments/NAME/ARM.yaml` into `experiments/NAME/results`
 (default: this folder). Each DIR is an unpacked `qwen_arms_*.tgz` of `scripts/device_experiment.sh qwen-arms` (its `runs/ARM/seedS`
 workspaces: reports, eval metrics, per-step metric files; and `logs/`). A run in an archive replaces
 the same arm and seed in `results/runs` as a whole (an archive holds a workspace's full state, and a
-re-run of a seed must not keep an earlier attempt's files); runs it does not hold stay. Writes,
+re-run of a seed must not keep an earlier attempt's files); runs it does not hold stay. `--base-evals DIR`
+takes the `$OUT` of `scripts/device_experiment.sh qwen-base-evals` (a base evaluated without training:
+`ARM.step0_metrics.json` and `ARM.convert_report.json` per arm) into `results/base_evals/ARM`. Writes,
 beside this file:
 
 - `results/runs/ARM/seedS/`: the files that the figures come from (steps.csv, eval.csv, metrics.json,
@@ -19,7 +23,8 @@ beside this file:
   (training-step columns averaged over the run's second half, LATE_KEYS); the base
   rows (`arm: "base"` for BF16, `arm: "base_nvfp4"` for the NVFP4 base, `base_nvfp4_<observer>` for an
   NVFP4 base whose scales another `model.nvfp4_observer` chose, `..._gptq` appended for one that GPTQ
-  rounded, `model.nvfp4_calibration`) from the step-0 evaluations;
+  rounded, `model.nvfp4_calibration`) from the step-0 evaluations, those of the runs and those of
+  `results/base_evals` (`base_eval_rows`);
   runs without an evaluation at their last step are listed under `incomplete` with the steps they
   trained (`steps` = `planned` when only the final evaluation was cut); `per_arm`, each arm's mean and
   standard deviation over its seeds; `paired`, the seed-against-seed differences between arms (the function `paired`);
@@ -123,6 +128,37 @@ def collect(archives: list[Path], out: Path, experiment: str = DEFAULT_EXPERIMEN
                 (dest / "stages.log").write_text("\n".join(lines) + "\n")
 
 
+def collect_base_evals(dirs: list[Path], out: Path, experiment: str = DEFAULT_EXPERIMENT) -> None:
+    """Copy every base evaluation in `dirs` (each the `$OUT` of `scripts/device_experiment.sh qwen-base-evals`)
+    into `out/base_evals/ARM`: its metrics.json and convert_report.json, and the stage lines of its log.
+    An arm whose evaluation did not finish (no `ARM.step0_metrics.json`) is not taken; one that did
+    replaces an earlier copy as a whole."""
+    found = [(src, m.name.removesuffix(".step0_metrics.json")) for src in dirs
+             for m in sorted(src.glob("*.step0_metrics.json"))]
+    for src, arm in found:  # all checked before anything is copied
+        if not (src / f"{arm}.convert_report.json").is_file():
+            raise ValueError(f"{src / f'{arm}.convert_report.json'}: missing beside {arm}.step0_metrics.json "
+                             "(a base evaluation names its checkpoint by it)")
+    for src, arm in found:
+        metrics, report = src / f"{arm}.step0_metrics.json", src / f"{arm}.convert_report.json"
+        dest = out / "base_evals" / arm
+        if dest.exists():
+            shutil.rmtree(dest)
+        command = (f"python -m qerl_lib stage eval --step 0 -c experiments/{experiment}/{arm}.yaml "
+                   "-s data.source=<gsm8k dir> -s run.seed=0 -s aqn.seed=1234 -s eval.base=true --root <workspace> "
+                   f"(after `stage prepare` and `stage init_adapter`, through `scripts/device_experiment.sh "
+                   f"qwen-base-evals {arm}`; calls in docs/results_qwen05_gsm8k.md)")
+        _copy(metrics, dest / "metrics.json", command)
+        _copy(report, dest / "convert_report.json",
+              f"python -m qerl_lib stage convert -c experiments/{experiment}/{arm}.yaml -s data.source=<gsm8k dir> "
+              "--root <template workspace> (`scripts/device_experiment.sh qwen-base-evals`)")
+        log = src / f"{arm}.base.log"
+        if log.is_file():
+            lines = [s for s in log.read_text(errors="replace").splitlines()
+                     if re.match(r"^(prepare|init_adapter|eval@\d+): ", s)]
+            (dest / "stages.log").write_text("\n".join(lines) + "\n")
+
+
 def _steps_done(run: Path, rows: list[dict]) -> int:
     """RL steps the run finished, from its steps.csv `rows` (else from its stage log)."""
     done = [r["step"] for r in rows if r.get("has_update") == 1]
@@ -212,20 +248,60 @@ def paired(rows: list[dict]) -> dict:
     return out
 
 
+def base_arm_name(quant: str | None, observer: str | None = None, calibration: str | None = None) -> str:
+    """The summary's name for the base checkpoint of `model.quant`, `model.nvfp4_observer` and
+    `model.nvfp4_calibration` (None: the defaults): `base` for BF16, `base_<quant>` otherwise, and for
+    NVFP4 `_<observer>` after another observer than min-max (other group scales) and `_<calibration>`
+    after GPTQ's rounding: each is another checkpoint, whose base is measured on its own."""
+    name = "base" if not quant or quant == "bf16" else f"base_{quant}"
+    if name == "base_nvfp4" and observer and observer != "memoryless_minmax":
+        name += f"_{observer}"
+    if name.startswith("base_nvfp4") and calibration and calibration != "none":
+        name += f"_{calibration}"
+    return name
+
+
+def _base_row(arm: str, m: dict, digest: str | None, **source) -> dict:
+    """A summary base row from a step-0 evaluation's metrics.json `m`."""
+    return {"arm": arm, **source, "seed": 0, "steps": 0, "greedy_acc": m["greedy_acc"], "greedy_se": m["greedy_acc_se"],
+            "pass1": m["pass_at_1"], "pass1_se": m["pass_at_1_se"], "k": m["k"], "n_test": m["n_prompts"],
+            "greedy_format_rate": m["greedy_format_rate"], "checkpoint_hash": digest}
+
+
+def base_eval_rows(out: Path, have: set[str], hashes: dict[str, str | None]) -> list[dict]:
+    """Base rows of `out/base_evals/ARM` (bases evaluated without training, `collect_base_evals`) for the
+    base checkpoints that no run's own step-0 evaluation measured (`have`: their names). The name comes
+    from the folder's convert_report.json (quantization, observer, GPTQ), never from the arm's name.
+    Raises ValueError, naming the file, when runs of that base trained on other bytes (`hashes`)."""
+    rows = []
+    for d in sorted(p for p in (out / "base_evals").glob("*") if p.is_dir()):
+        report_path = d / "convert_report.json"
+        if not report_path.is_file():
+            raise ValueError(f"{report_path}: missing (a base evaluation names its checkpoint by it)")
+        report = json.loads(report_path.read_text())
+        recipe_ = report.get("recipe") or {}
+        arm = base_arm_name(report.get("quant"), recipe_.get("observer"),
+                            "gptq" if recipe_.get("method") == "gptq" else None)
+        digest = report.get("checkpoint_hash")
+        if hashes.get(arm, digest) != digest:
+            raise ValueError(f"{report_path}: checkpoint {digest}, but the {arm} runs of {out} trained on {hashes[arm]}")
+        if arm in have:
+            continue
+        rows.append(_base_row(arm, json.loads((d / "metrics.json").read_text()), digest,
+                              from_base_eval=f"base_evals/{d.name}"))
+        have = have | {arm}
+    return rows
+
+
 def summarize(out: Path, experiment: str = DEFAULT_EXPERIMENT, base_from: Path | None = None) -> dict:
     rows, base, incomplete, hashes = [], [], [], {}
     for run in sorted(out.glob("runs/*/seed*")):
         arm, seed = run.parent.name, int(run.name[4:])
         cfg = (run / "config.yaml").read_text() if (run / "config.yaml").is_file() else ""
         planned = _planned_steps(cfg)
-        quant = re.search(r"^  quant: (\w+)", cfg, re.M)
-        base_arm = "base" if not quant or quant.group(1) == "bf16" else f"base_{quant.group(1)}"
-        observer = re.search(r"^  nvfp4_observer: (\w+)", cfg, re.M)
-        if base_arm == "base_nvfp4" and observer and observer.group(1) != "memoryless_minmax":
-            base_arm += f"_{observer.group(1)}"  # other group scales: another base checkpoint
-        calibration = re.search(r"^  nvfp4_calibration: (\w+)", cfg, re.M)
-        if base_arm.startswith("base_nvfp4") and calibration and calibration.group(1) != "none":
-            base_arm += f"_{calibration.group(1)}"  # other rounding (GPTQ): another base checkpoint
+        quant, observer, calibration = (re.search(rf"^  {key}: (\w+)", cfg, re.M)
+                                        for key in ("quant", "nvfp4_observer", "nvfp4_calibration"))
+        base_arm = base_arm_name(*(m and m.group(1) for m in (quant, observer, calibration)))
         digest = _checkpoint_hash(run)
         hashes.setdefault(base_arm, digest)
         if hashes[base_arm] != digest:
@@ -240,12 +316,7 @@ def summarize(out: Path, experiment: str = DEFAULT_EXPERIMENT, base_from: Path |
         for t in times:
             by_stage[t["stage"]] = round(by_stage.get(t["stage"], 0.0) + t["seconds"], 1)
         if 0 in evals:
-            m = evals[0]
-            base.append({"arm": base_arm, "from_run": f"{arm}/seed{seed}",
-                         "seed": seed, "steps": 0, "greedy_acc": m["greedy_acc"], "greedy_se": m["greedy_acc_se"],
-                         "pass1": m["pass_at_1"], "pass1_se": m["pass_at_1_se"], "k": m["k"],
-                         "n_test": m["n_prompts"], "greedy_format_rate": m["greedy_format_rate"],
-                         "checkpoint_hash": digest})
+            base.append({**_base_row(base_arm, evals[0], digest, from_run=f"{arm}/seed{seed}"), "seed": seed})
         if planned not in evals:
             incomplete.append({"arm": arm, "seed": seed, "steps": steps, "planned": planned,
                                "seconds_by_stage": by_stage})
@@ -265,6 +336,7 @@ def summarize(out: Path, experiment: str = DEFAULT_EXPERIMENT, base_from: Path |
             agg[key] = statistics.fmean(vals)
             agg[f"{key}_std"] = statistics.stdev(vals) if len(vals) > 1 else None
         per_arm[arm] = agg
+    base = base + base_eval_rows(out, {r["arm"] for r in base}, hashes)
     if base_from is not None:
         base = base + reuse_base(base, hashes, base_from)
     flags = "" if experiment == DEFAULT_EXPERIMENT else f"--experiment {experiment} "
@@ -327,6 +399,8 @@ def plot(out: Path, arms: list[str], experiment: str = DEFAULT_EXPERIMENT) -> No
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--archive", type=Path, action="append", default=[], help="an unpacked qwen_arms_*.tgz")
+    ap.add_argument("--base-evals", type=Path, action="append", default=[],
+                    help="the $OUT of a `qwen-base-evals` call (bases evaluated without training)")
     ap.add_argument("--experiment", default=DEFAULT_EXPERIMENT,
                     help="the folder of experiments/ whose runs these are (default: %(default)s)")
     ap.add_argument("--base-from", type=Path, default=None,
@@ -339,6 +413,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     collect(args.archive, out, args.experiment)
     try:
+        collect_base_evals(args.base_evals, out, args.experiment)
         summary = summarize(out, args.experiment, args.base_from)
     except ValueError as e:
         raise SystemExit(f"summarize: {e}") from None
