@@ -193,7 +193,7 @@ def dense_above_for(cfg: QerlConfig, checkpoint: Path) -> int | None:
         dense = dense_copy_bytes(checkpoint)
         if copies_fit(dense, util * total):
             return DEFAULT_DENSE_ABOVE
-        if note := dense_declined_note(checkpoint, total, util, dense=dense):
+        if dense is not None and (note := dense_declined_note(checkpoint, total, util, dense=dense)):
             log.warning(note)  # silent, it hid a rollout slower than BF16 on 80 GB cards (docs/gpu.md)
         return None
     return int(rc.vllm_dense_above)
