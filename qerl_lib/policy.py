@@ -182,20 +182,17 @@ def vllm_memory_kwargs(rc) -> dict:
 
 def dense_above_for(cfg: QerlConfig, checkpoint: Path) -> int | None:
     """`rollout.vllm_dense_above` resolved for `checkpoint`: rows, or None (Marlin at every batch)."""
-    from qerl_lib.rollout.dense_regime import copies_fit, dense_copy_bytes, dense_declined_note
+    from qerl_lib.rollout.dense_regime import auto_dense_above, dense_declined_note
 
     rc = cfg.rollout
     if rc.vllm_dense_above == "off" or cfg.parallel.rollout_tensor_parallel > 1:
         return None  # the dense copies of a tensor-parallel engine are not wired (vllm_worker)
     if rc.vllm_dense_above == "auto":
         total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
-        util = rc.vllm_gpu_memory_utilization
-        dense = dense_copy_bytes(checkpoint)
-        if copies_fit(dense, util * total):
-            return DEFAULT_DENSE_ABOVE
-        if dense is not None and (note := dense_declined_note(checkpoint, total, util, dense=dense)):
+        rows = auto_dense_above(checkpoint, rc.vllm_gpu_memory_utilization * total, DEFAULT_DENSE_ABOVE)
+        if rows is None and (note := dense_declined_note(checkpoint, total, rc.vllm_gpu_memory_utilization)):
             log.warning(note)  # silent, it hid a rollout slower than BF16 on 80 GB cards (docs/gpu.md)
-        return None
+        return rows
     return int(rc.vllm_dense_above)
 
 

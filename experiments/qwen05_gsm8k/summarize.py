@@ -261,9 +261,9 @@ def base_arm_name(quant: str | None, observer: str | None = None, calibration: s
     return name
 
 
-def _base_row(arm: str, m: dict, digest: str | None, **source) -> dict:
+def _base_row(arm: str, m: dict, digest: str | None, seed: int = 0, **source) -> dict:
     """A summary base row from a step-0 evaluation's metrics.json `m`."""
-    return {"arm": arm, **source, "seed": 0, "steps": 0, "greedy_acc": m["greedy_acc"], "greedy_se": m["greedy_acc_se"],
+    return {"arm": arm, **source, "seed": seed, "steps": 0, "greedy_acc": m["greedy_acc"], "greedy_se": m["greedy_acc_se"],
             "pass1": m["pass_at_1"], "pass1_se": m["pass_at_1_se"], "k": m["k"], "n_test": m["n_prompts"],
             "greedy_format_rate": m["greedy_format_rate"], "checkpoint_hash": digest}
 
@@ -316,7 +316,7 @@ def summarize(out: Path, experiment: str = DEFAULT_EXPERIMENT, base_from: Path |
         for t in times:
             by_stage[t["stage"]] = round(by_stage.get(t["stage"], 0.0) + t["seconds"], 1)
         if 0 in evals:
-            base.append({**_base_row(base_arm, evals[0], digest, from_run=f"{arm}/seed{seed}"), "seed": seed})
+            base.append(_base_row(base_arm, evals[0], digest, seed, from_run=f"{arm}/seed{seed}"))
         if planned not in evals:
             incomplete.append({"arm": arm, "seed": seed, "steps": steps, "planned": planned,
                                "seconds_by_stage": by_stage})

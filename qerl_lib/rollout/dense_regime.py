@@ -50,14 +50,13 @@ def auto_dense_above(checkpoint: str | Path, budget_bytes: float, threshold: int
 
 
 def dense_declined_note(checkpoint: str | Path, total_bytes: float, utilization: float,
-                        share: float = DENSE_SHARE, dense: int | None = None) -> str | None:
+                        share: float = DENSE_SHARE) -> str | None:
     """Why `auto` runs an NVFP4 engine without its dense copies on this card, and the
     `rollout.vllm_gpu_memory_utilization` that would keep them; None when `auto` keeps them or the
-    checkpoint needs none. `dense`: the copies' bytes when the caller has them (else read from the
-    checkpoint). Without the copies, rows above the decode GEMM's run Marlin + LoRA, slower than
-    BF16 at tens to hundreds of rows (a 7B RL step on an 80 GB card: 17.9 s of rollout against
+    checkpoint needs none. Without the copies, rows above the decode GEMM's run Marlin + LoRA, slower
+    than BF16 at tens to hundreds of rows (a 7B RL step on an 80 GB card: 17.9 s of rollout against
     11.7 s with them, `docs/gpu.md`, session 30)."""
-    dense = dense_copy_bytes(checkpoint) if dense is None else dense
+    dense = dense_copy_bytes(checkpoint)
     if dense is None or total_bytes <= 0 or copies_fit(dense, utilization * total_bytes, share):
         return None
     need = dense / (share * total_bytes)
