@@ -65,6 +65,7 @@ step is cut (`skipped`), run it in a second call and combine:
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import shlex
 import shutil
@@ -271,8 +272,14 @@ def child(args) -> None:
 
     out = Path(args.work) / f"part-{args.child}.json"
     res = {"group": args.child, "arms": {}, "errors": {}, "skipped": {}}
+    # NVFP4 children with the dense copies have ended in `terminate called without an active exception` (SIGABRT)
+    # after writing their results; this prints every Python thread's stack when that comes, and the threads
+    # still alive at the end are named below, to find whose std::thread it is.
+    faulthandler.enable(all_threads=True)
     try:
         _child(args, res, out)
+        alive = [f"{t.name} (daemon={t.daemon})" for t in threading.enumerate() if t is not threading.main_thread()]
+        print(f"[{args.child}] threads alive at the child's end: {alive}", flush=True)
     except BaseException as e:  # the part file keeps what was measured and says why it stopped
         res["errors"]["exception"] = f"{type(e).__name__}: {str(e)[:2000]}"
         atomic_write_json(out, res)
