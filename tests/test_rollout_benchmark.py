@@ -1,4 +1,4 @@
-"""Pieces of `benchmarks/rollout_throughput.py` that run without a GPU."""
+"""Pieces of `benchmarks/rollout_throughput.py` and `benchmarks/rollout_plan.py` that run without a GPU."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import rollout_checkpoints as ck  # noqa: E402
+from benchmarks import rollout_plan as plan  # noqa: E402
 from benchmarks import rollout_throughput as rt  # noqa: E402
 
 TINY = dict(hidden=64, inter=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=256)
@@ -29,20 +30,20 @@ def test_random_bf16_checkpoint_loads_as_a_qwen2_model(tmp_path):
 
 
 def test_engine_specs_and_bytes_per_step():
-    assert rt.parse_spec("nf4-r16") == ("nf4", 16, False, False, False)
-    assert rt.parse_spec("nvfp4h-r64-ds") == ("nvfp4h", 64, True, False, False)
-    assert rt.parse_spec("nvfp4g-r16-ds-pdl") == ("nvfp4g", 16, True, True, False)
-    assert rt.parse_spec("nvfp4g-r16-pdl-rp") == ("nvfp4g", 16, False, True, True)
+    assert plan.parse_spec("nf4-r16") == ("nf4", 16, False, False, False)
+    assert plan.parse_spec("nvfp4h-r64-ds") == ("nvfp4h", 64, True, False, False)
+    assert plan.parse_spec("nvfp4g-r16-ds-pdl") == ("nvfp4g", 16, True, True, False)
+    assert plan.parse_spec("nvfp4g-r16-pdl-rp") == ("nvfp4g", 16, False, True, True)
     with pytest.raises(AssertionError, match="nvfp4g engines only"):
-        rt.parse_spec("bf16-r16-pdl")
+        plan.parse_spec("bf16-r16-pdl")
     with pytest.raises(AssertionError, match="nvfp4g engines only"):
-        rt.parse_spec("nvfp4h-r16-rp")
-    n = rt.linear_params()
-    lm_head = 2 * rt.SHAPE["vocab"] * rt.SHAPE["hidden"]
-    assert rt.weight_bytes_per_step("bf16", 1, 0, None) == 2 * n + lm_head
-    assert rt.weight_bytes_per_step("nf4", 1, 0, None) == int(n * (0.5 + 4 / 64)) + lm_head
+        plan.parse_spec("nvfp4h-r16-rp")
+    n = plan.linear_params()
+    lm_head = 2 * plan.SHAPE["vocab"] * plan.SHAPE["hidden"]
+    assert plan.weight_bytes_per_step("bf16", 1, 0, None) == 2 * n + lm_head
+    assert plan.weight_bytes_per_step("nf4", 1, 0, None) == int(n * (0.5 + 4 / 64)) + lm_head
     # the project's NVFP4 engine reads dense weights above its threshold
-    assert rt.weight_bytes_per_step("nvfp4h", 64, 0, 48) == rt.weight_bytes_per_step("bf16", 64, 0, None)
+    assert plan.weight_bytes_per_step("nvfp4h", 64, 0, 48) == plan.weight_bytes_per_step("bf16", 64, 0, None)
 
 
 def _cell(batch: int, tok_s: float) -> dict:
@@ -72,14 +73,14 @@ def test_merge_keeps_the_cells_of_an_engine_measured_in_two_runs(tmp_path):
 
 def test_a_fixed_kv_cache_holds_the_batch():
     # 7B shape: 28 layers x 4 KV heads x 128 x (K, V) x 2 bytes = 57,344 bytes a token
-    assert rt.kv_cache_bytes(256, 784) == int(1.1 * 256 * 784 * 57344)  # 12.7 GB
-    assert rt.kv_cache_bytes(8, 784) == 2**30  # at least 1 GiB
+    assert plan.kv_cache_bytes(256, 784) == int(1.1 * 256 * 784 * 57344)  # 12.7 GB
+    assert plan.kv_cache_bytes(8, 784) == 2**30  # at least 1 GiB
 
 
 def test_overlapped_starts_need_memory_for_every_engine():
-    rt.check_overlap(2, 0.45)
+    plan.check_overlap(2, 0.45)
     with pytest.raises(SystemExit, match=r"--overlap-starts: 3 engines x --mem 0.45 = 1.35 of the GPU; pass --mem 0.32"):
-        rt.check_overlap(3, 0.45)
+        plan.check_overlap(3, 0.45)
 
 
 def test_overlapped_engines_must_fit_the_gpu_together():
@@ -87,43 +88,43 @@ def test_overlapped_engines_must_fit_the_gpu_together():
     rows they would need about 95 GiB (refused before any engine starts); an H200 holds them."""
     specs = ["bf16-r16", "bf16-r16-ds", "nvfp4g-r16-pdl-rp"]
     h100, h200 = 81559 * 2**20, int(139.8 * 2**30)
-    gib = {s: rt.engine_resident_bytes(s, 64, 784, 48, 8) / 2**30 for s in specs}
+    gib = {s: plan.engine_resident_bytes(s, 64, 784, 48, 8) / 2**30 for s in specs}
     assert gib["bf16-r16"] == pytest.approx(14.19 + 1.1 * 64 * 784 * 57344 / 2**30 + 3.6, abs=0.05)
     # NVFP4: packed linears + embedding and lm_head, the dense copies (2 bytes a weight), the decode GEMM's codes
     assert gib["nvfp4g-r16-pdl-rp"] == pytest.approx(5.45 + 12.15 + 3.42 + 2.95 + 3.6, abs=0.05)
-    rt.check_overlap_memory(specs, 64, 784, 48, 8, h100, 0.3)
+    plan.check_overlap_memory(specs, 64, 784, 48, 8, h100, 0.3)
     with pytest.raises(SystemExit, match=r"need about 95\.\d GiB together .* the GPU has 79\.6"):
-        rt.check_overlap_memory(specs, 256, 784, 48, 8, h100, 0.3)
-    rt.check_overlap_memory(specs, 256, 784, 48, 8, h200, 0.3)
+        plan.check_overlap_memory(specs, 256, 784, 48, 8, h100, 0.3)
+    plan.check_overlap_memory(specs, 256, 784, 48, 8, h200, 0.3)
     # vLLM refuses to start an engine that finds less free memory than --mem asks of the GPU: at 512 rows two
     # NVFP4 engines (48.2 GiB each) leave 43.4 GiB of the H200, less than 0.315 x 139.8, though all three fit
     big = ["nvfp4g-r16", "nvfp4g-r16-ds", "bf16-r16"]
-    rt.check_overlap_memory(big, 512, 784, 48, 8, h200, 0.31)
+    plan.check_overlap_memory(big, 512, 784, 48, 8, h200, 0.31)
     with pytest.raises(SystemExit, match=r"last engine would start with about 43\.4 GiB free .* pass a smaller --mem"):
-        rt.check_overlap_memory(big, 512, 784, 48, 8, h200, 0.315)
+        plan.check_overlap_memory(big, 512, 784, 48, 8, h200, 0.315)
     # without the dense copies or the decode GEMM the NVFP4 engine holds less
-    assert rt.engine_resident_bytes("nvfp4-r16", 64, 784, None, 0) < rt.engine_resident_bytes("nvfp4g-r16", 64, 784, 48, 8)
+    assert plan.engine_resident_bytes("nvfp4-r16", 64, 784, None, 0) < plan.engine_resident_bytes("nvfp4g-r16", 64, 784, 48, 8)
 
 
 def test_cell_deadline_shares_the_time_left_after_later_engines_start():
-    need = rt.cell_need(1, 3, 512)
+    need = plan.cell_need(1, 3, 512)
     assert need == pytest.approx(1.1 * 3.5 * (512 / 150 + 0.5))
     # ample time: a third of what is left once the two later engines (50 s each) have started
-    assert rt.cell_deadline(0.0, 540.0, 2, 50.0, need) == pytest.approx(440 / 3)
+    assert plan.cell_deadline(0.0, 540.0, 2, 50.0, need) == pytest.approx(440 / 3)
     # session 11: the first engine came up 114.5 s into 310 s with two to go; it still gets its first cell
-    assert rt.cell_deadline(114.5, 310.0, 2, 114.5, need) == pytest.approx(114.5 + need)
+    assert plan.cell_deadline(114.5, 310.0, 2, 114.5, need) == pytest.approx(114.5 + need)
     # the last engine takes all that is left, and no engine runs past the deadline
-    assert rt.cell_deadline(100.0, 500.0, 0, 50.0, need) == 500.0
-    assert rt.cell_deadline(300.0, 310.0, 0, 50.0, need) == 310.0
+    assert plan.cell_deadline(100.0, 500.0, 0, 50.0, need) == 500.0
+    assert plan.cell_deadline(300.0, 310.0, 0, 50.0, need) == 310.0
 
 
 def test_an_engines_first_cell_is_held_only_to_the_runs_deadline():
     """Session 25: the share promised the first cell, the adapter load spent its margin, and two engines up
     with about 190 and 50 s left measured nothing. The first cell now runs while the run's deadline allows it."""
-    need = rt.cell_need(1, 3, 512)
-    share_end = rt.cell_deadline(100.0, 330.0, 2, 110.0, need)
+    need = plan.cell_need(1, 3, 512)
+    share_end = plan.cell_deadline(100.0, 330.0, 2, 110.0, need)
     assert share_end == pytest.approx(100.0 + need)  # no share left: only the first cell's time
     later = 100.0 + 2.0  # the adapter load took 2 s
-    assert rt.cell_fits(later, need, share_end, 330.0, first=True)
-    assert not rt.cell_fits(later, need, share_end, 330.0, first=False)
-    assert not rt.cell_fits(330.0 - need + 1.0, need, 330.0, 330.0, first=True)  # never past the run's deadline
+    assert plan.cell_fits(later, need, share_end, 330.0, first=True)
+    assert not plan.cell_fits(later, need, share_end, 330.0, first=False)
+    assert not plan.cell_fits(330.0 - need + 1.0, need, 330.0, 330.0, first=True)  # never past the run's deadline
