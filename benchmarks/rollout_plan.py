@@ -89,11 +89,19 @@ def linear_bytes(fmt: str) -> int:
     return int(linear_params() * per)
 
 
+DENSE_COPY_FORMATS = ("nvfp4h", "nvfp4g")
+"""The engines that keep dense BF16 copies of their linears for steps above `--dense-above` rows."""
+
+
+def reads_dense(fmt: str, batch: int, dense_above: int | None) -> bool:
+    """Whether a decode step of `batch` rows reads the dense BF16 copies (adapter merged in, no LoRA slots)."""
+    return fmt in DENSE_COPY_FORMATS and dense_above is not None and batch > dense_above
+
+
 def weight_bytes_per_step(fmt: str, batch: int, slot_rank: int, dense_above: int | None) -> int:
     """Bytes of weights one decode step reads: linears in their format, the bf16 lm_head, LoRA slots."""
     lm_head = 2 * SHAPE["vocab"] * SHAPE["hidden"]
-    dense = fmt in ("nvfp4h", "nvfp4g") and dense_above is not None and batch > dense_above
-    return linear_bytes("bf16" if dense else fmt) + lm_head + lora_bytes(slot_rank)
+    return linear_bytes("bf16" if reads_dense(fmt, batch, dense_above) else fmt) + lm_head + lora_bytes(slot_rank)
 
 
 def kv_bytes_per_step(batch: int, prompt: int, decode: int) -> int:
@@ -126,7 +134,7 @@ def engine_resident_bytes(spec: str, max_batch: int, max_model_len: int, dense_a
     fmt = parse_spec(spec)[0]
     embed_and_head = 2 * 2 * SHAPE["vocab"] * SHAPE["hidden"]
     linears = linear_bytes(fmt)
-    if fmt in ("nvfp4h", "nvfp4g") and dense_above is not None:
+    if fmt in DENSE_COPY_FORMATS and dense_above is not None:
         linears += linear_bytes("bf16")
     if fmt == "nvfp4g" and gemv_rows:
         linears += linear_bytes(fmt)

@@ -65,9 +65,9 @@ from benchmarks.bench_children import run_child, run_overlapped, wait_for_turn  
 from benchmarks.decode_gemm_profile import SHAPE, copy_bandwidth, gemm_profile  # noqa: E402
 from benchmarks.rollout_checkpoints import (write_adapter, write_bf16_weights,  # noqa: E402
                                             write_synthetic)
-from benchmarks.rollout_plan import (cell_deadline, cell_fits, cell_need, check_overlap, check_overlap_memory,  # noqa: E402
-                                     kv_bytes_per_step, kv_cache_bytes, linear_params, parse_spec,
-                                     weight_bytes_per_step)
+from benchmarks.rollout_plan import (DENSE_COPY_FORMATS, cell_deadline, cell_fits, cell_need, check_overlap,  # noqa: E402
+                                     check_overlap_memory, kv_bytes_per_step, kv_cache_bytes, linear_params,
+                                     parse_spec, reads_dense, weight_bytes_per_step)
 from qerl_lib.io import atomic_write_json  # noqa: E402
 
 STOCK_REFERENCE = {
@@ -115,7 +115,7 @@ def run_engine(args) -> None:
     if args.turn_dir:
         kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(max(batches), args.prompt + args.decode + 16)
     ckpt = work / {"bf16": "bf16", "nf4": "bf16-weights"}.get(fmt, "nvfp4")
-    dense_above = args.dense_above if fmt in ("nvfp4h", "nvfp4g") else None
+    dense_above = args.dense_above if fmt in DENSE_COPY_FORMATS else None
     gemv_rows = args.gemv_rows if fmt == "nvfp4g" else None
     eng = VLLMEngine(ckpt, max_lora_rank=rank, gpu_memory_utilization=args.mem, enforce_eager=False, seed=0,
                      max_model_len=args.prompt + args.decode + 16, dense_above=dense_above, lora_dual_stream=dual,
@@ -216,7 +216,7 @@ def summarize(res: dict) -> dict:
             row["over_bf16"] = round(med / ref[0]["decode_tok_s"]["median"], 3)
         if bw:
             dense_above = e.get("dense_above")
-            merged = fmt in ("nvfp4h", "nvfp4g") and dense_above is not None and b > dense_above
+            merged = reads_dense(fmt, b, dense_above)
             wb = weight_bytes_per_step(fmt, b, slot if lora and not merged else 0, dense_above)
             kvb = kv_bytes_per_step(b, c["prompt"], c["decode"])
             row["weight_bytes_per_step"] = wb
