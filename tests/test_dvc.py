@@ -226,6 +226,7 @@ CONDITIONAL_READS = {
 }
 
 
+@pytest.mark.reproduces
 def test_params_are_exactly_what_each_stage_reads(reference_run, tmp_path):
     from qerl_lib import stages as st
     from qerl_lib.config import load_config

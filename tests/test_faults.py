@@ -60,6 +60,7 @@ def _fresh(fault_ws: Path, fault_ref: Path, tmp_path: Path, label: str, from_ref
     return ws
 
 
+@pytest.mark.reproduces
 @pytest.mark.parametrize("case", KILLS, ids=[k[0] for k in KILLS])
 def test_kill_point_resumes_identical_and_leaves_nothing(case, fault_ws, fault_ref, tmp_path):
     _, label, module, attr, match, when, nth, from_ref = case

@@ -319,6 +319,7 @@ def test_second_flow_on_a_busy_workspace_is_refused(flow_done):
             train(workspace=str(repo))
 
 
+@pytest.mark.reproduces
 @pytest.mark.slow
 def test_killed_flow_leaves_no_stage_behind_and_resumes_to_the_same_bytes(flow_done, dvc_repro_done, tmp_path,
                                                                            prefect_server, monkeypatch):

@@ -76,6 +76,7 @@ def test_rows_carry_seeds_and_aligned_logprobs(finished_run):
                                   and r["finish_reason"] == "length")
 
 
+@pytest.mark.reproduces
 def test_rerun_skips_and_resume_remakes_identical_bytes(finished_run):
     cfg, layout, _ = finished_run
     before = layout.rollouts(1).read_bytes()
@@ -88,6 +89,7 @@ def test_rerun_skips_and_resume_remakes_identical_bytes(finished_run):
     assert layout.rollouts(1).read_bytes() == before
 
 
+@pytest.mark.reproduces
 def test_cli_stage_matches_in_process_bytes(finished_run, tmp_path):
     """The same stage through `qerl stage` in a fresh process writes the same bytes."""
     cfg, layout, _ = finished_run

@@ -82,6 +82,7 @@ def assert_same_as_reference(ws: Path, ref: Path) -> None:
     assert not partial_files(ws), partial_files(ws)
 
 
+@pytest.mark.reproduces
 def test_qerl_run_resumes_after_kills_with_identical_bytes(reference_run, tmp_path):
     ws = tmp_path / "ws"
     ws.mkdir()
@@ -170,6 +171,7 @@ def _rewind_to_after_update0(repo: Path) -> None:
     shutil.rmtree(repo / ".dvc" / "cache" / "runs", ignore_errors=True)
 
 
+@pytest.mark.reproduces
 def test_dvc_repro_resumes_after_kills_and_refuses_a_second_run(dvc_repro_done, tmp_path):
     repo = copy_repo(dvc_repro_done, tmp_path / "repo")
     _rewind_to_after_update0(repo)

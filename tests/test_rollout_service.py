@@ -78,6 +78,7 @@ def _same_bytes(a: Path, b: Path) -> None:
         assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
 
 
+@pytest.mark.reproduces
 def test_serve_and_qerl_run_give_the_bytes_of_an_in_process_run(converted, reference_run, tmp_path):
     ws = copy_repo(converted, tmp_path / "ws")
     with serving(ws) as (url, proc):
@@ -91,6 +92,7 @@ def test_serve_and_qerl_run_give_the_bytes_of_an_in_process_run(converted, refer
     assert info["backend"] == "transformers" and info["sleeps"] == STEPS  # each update slept the server
 
 
+@pytest.mark.reproduces
 def test_serve_and_dvc_repro_give_the_bytes_of_an_in_process_run(tiny_pipeline, reference_run, tmp_path):
     repo = make_dvc_repo(tmp_path / "repo", tiny_pipeline)
     sh(["dvc", "repro", "init_adapter"], cwd=repo, timeout=600)  # the server serves the converted checkpoint
@@ -102,6 +104,7 @@ def test_serve_and_dvc_repro_give_the_bytes_of_an_in_process_run(tiny_pipeline, 
     assert "rollout_server.json" not in sh(["git", "status", "--porcelain"], cwd=repo).stdout
 
 
+@pytest.mark.reproduces
 def test_server_killed_mid_rollout_fails_clearly_and_the_rerun_succeeds(converted, reference_run, tmp_path):
     from qerl_lib.rollout.client import RemoteEngine
 
@@ -162,6 +165,7 @@ def test_an_address_that_does_not_answer_fails_clearly(converted, tmp_path):
     assert not (ws / "eval").exists()
 
 
+@pytest.mark.reproduces
 def test_a_stale_address_file_is_ignored(converted, reference_run, tmp_path):
     ws = copy_repo(converted, tmp_path / "ws")
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
