@@ -238,10 +238,10 @@ REPRODUCES_RERUNS = 1
 
 Those tests compare bytes made by separate processes (a resumed run, `dvc repro`, a rollout server,
 a flow) with a reference run. On the CI machine a fresh process has, rarely, computed one stage's
-floats differently in the last bits (twice in the eight full suites before this rule, each of which
-starts a few hundred stage processes), while rerunning that very stage on the same inputs gave the reference
-bytes every time (docs/reliability.md, "One-off deviations"). A rerun of the test runs every door
-again, so a difference the code makes fails twice; pytest's summary counts the rerun ("1 rerun")."""
+floats differently in the last bits (twice in the eight full suites before this rule), while
+rerunning that very stage on the same inputs gave the reference bytes every time
+(docs/reliability.md, "One-off deviations"). A rerun of the test runs every door again, so a
+difference the code makes fails twice; pytest's summary counts the rerun ("1 rerun")."""
 
 
 def pytest_collection_modifyitems(config, items):
