@@ -72,6 +72,7 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -148,11 +149,20 @@ def write_engine_checkpoint(model, shape: dict, quant: str, out: Path) -> Path:
 
 
 class DevicePeak:
-    """Largest device-wide used memory (cudaMemGetInfo total - free) since the last `take`, sampled by a thread."""
+    """Largest device-wide used memory (cudaMemGetInfo total - free) since the last `take`, sampled by a thread.
 
-    def __init__(self, period: float = 0.02):
-        self.period, self.peak = period, 0
-        threading.Thread(target=self._run, daemon=True).start()
+    `close` stops and joins the thread. It must run before the process exits: a daemon thread caught inside
+    a torch call (which releases the GIL) when the interpreter finalizes is ended by CPython with
+    pthread_exit, whose unwinding through torch's C++ frames calls std::terminate ("terminate called without
+    an active exception", SIGABRT), after the results are written."""
+
+    def __init__(self, period: float = 0.02, used: Callable[[], int] | None = None):
+        if used is not None:  # the tests' stand-in for cudaMemGetInfo
+            self.used = used
+        self.period, self.peak = period, self.used()  # fails here, not in the thread, where CUDA is missing
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="device-peak", daemon=True)
+        self._thread.start()
 
     @staticmethod
     def used() -> int:
@@ -162,13 +172,17 @@ class DevicePeak:
         return total - free
 
     def _run(self):
-        while not time.sleep(self.period):
+        while not self._stop.wait(self.period):
             self.peak = max(self.peak, self.used())
 
     def take(self) -> int:
         now = self.used()
         peak, self.peak = max(self.peak, now), now
         return peak
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def start_engine(ckpt: Path, quant: str, cfg, rows: int):
@@ -272,21 +286,25 @@ def child(args) -> None:
 
     out = Path(args.work) / f"part-{args.child}.json"
     res = {"group": args.child, "arms": {}, "errors": {}, "skipped": {}}
-    # NVFP4 children with the dense copies have ended in `terminate called without an active exception` (SIGABRT)
-    # after writing their results; this prints every Python thread's stack when that comes, and the threads
-    # still alive at the end are named below, to find whose std::thread it is.
+    # A SIGABRT prints every Python thread's stack, and the threads still alive at the end are named below.
+    # Session 34 found only the memory sampler alive at an NVFP4 child's abort at exit (DevicePeak says why).
     faulthandler.enable(all_threads=True)
+    peak = None
     try:
-        _child(args, res, out)
-        alive = [f"{t.name} (daemon={t.daemon})" for t in threading.enumerate() if t is not threading.main_thread()]
-        print(f"[{args.child}] threads alive at the child's end: {alive}", flush=True)
+        peak = DevicePeak()
+        _child(args, res, out, peak)
     except BaseException as e:  # the part file keeps what was measured and says why it stopped
         res["errors"]["exception"] = f"{type(e).__name__}: {str(e)[:2000]}"
         atomic_write_json(out, res)
         raise
+    finally:
+        if peak is not None:
+            peak.close()
+        alive = [f"{t.name} (daemon={t.daemon})" for t in threading.enumerate() if t is not threading.main_thread()]
+        print(f"[{args.child}] threads alive at the child's end: {alive}", flush=True)
 
 
-def _child(args, res: dict, out: Path) -> None:
+def _child(args, res: dict, out: Path, peak: DevicePeak) -> None:
     import torch
 
     from benchmarks.train_step import base_weight_bytes, build_model, lora_bytes
@@ -298,7 +316,6 @@ def _child(args, res: dict, out: Path) -> None:
     register_shape(args.shape, SHAPES[args.shape])
     cfg = bench_config(args, kv_gib_of(args))
     res.update(versions=lib_versions(), kv_cache_gib=cfg.rollout.vllm_kv_cache_gib)
-    peak = DevicePeak()
     res["device_used_at_start_gib"] = round(peak.used() / GIB, 2)
     t0 = time.perf_counter()
     model = build_model(args.shape, group, shape["layers"], torch.device("cuda"), seed=args.seed)

@@ -292,3 +292,40 @@ def test_length_order_cuts_the_padding_of_the_issue_step():
     pos = rs.positions_of_lengths(rs.step_inputs(args, 2, 0)["lengths"], args.prompt, rs.bench_config(args))
     assert pos == {"update_positions": 314_029, "update_padded_positions": 317_448,
                    "update_padded_positions_rollout_order": 499_768}
+
+
+_SAMPLER_AT_EXIT = """
+import sys, torch
+sys.path.insert(0, {root!r})
+from benchmarks.rl_step import DevicePeak
+a = torch.randn(800, 800)
+
+def used():
+    torch.mm(a, a)  # a torch call that releases the GIL, as torch.cuda.mem_get_info does
+    return 1
+
+peak = DevicePeak(period=0.0, used=used)
+peak.take()
+if sys.argv[1] == "close":
+    peak.close()
+    assert not peak._thread.is_alive()
+print("done", flush=True)
+"""
+
+
+def test_device_peak_closes_its_sampler_so_the_child_exits_cleanly(tmp_path):
+    """The rl_step child's abort at exit (SIGABRT after its results were written): a sampler thread left
+    inside a GIL-releasing torch call while the interpreter finalizes is ended with pthread_exit, and the
+    unwinding through torch's C++ frames calls std::terminate. Closed first, the process exits 0."""
+    import subprocess
+
+    script = tmp_path / "sampler.py"
+    script.write_text(_SAMPLER_AT_EXIT.format(root=str(Path(__file__).resolve().parents[1])))
+    closed = subprocess.run([sys.executable, str(script), "close"], capture_output=True, text=True, timeout=120)
+    assert closed.returncode == 0 and closed.stdout.strip() == "done", closed.stderr[-2000:]
+    if sys.version_info >= (3, 14):  # CPython 3.14 parks such a thread instead of ending it (gh-87135)
+        return
+    left = subprocess.run([sys.executable, str(script), "leave"], capture_output=True, text=True, timeout=120)
+    assert left.stdout.strip() == "done"
+    assert left.returncode == -6 and "terminate called without an active exception" in left.stderr, \
+        (left.returncode, left.stderr[-2000:])
