@@ -321,11 +321,12 @@ def test_device_peak_closes_its_sampler_so_the_child_exits_cleanly(tmp_path):
 
     script = tmp_path / "sampler.py"
     script.write_text(_SAMPLER_AT_EXIT.format(root=str(Path(__file__).resolve().parents[1])))
-    closed = subprocess.run([sys.executable, str(script), "close"], capture_output=True, text=True, timeout=120)
+    run = dict(capture_output=True, text=True, timeout=120, cwd=tmp_path)  # a core dump, if enabled, stays in tmp_path
+    closed = subprocess.run([sys.executable, str(script), "close"], **run)
     assert closed.returncode == 0 and closed.stdout.strip() == "done", closed.stderr[-2000:]
     if sys.version_info >= (3, 14):  # CPython 3.14 parks such a thread instead of ending it (gh-87135)
         return
-    left = subprocess.run([sys.executable, str(script), "leave"], capture_output=True, text=True, timeout=120)
+    left = subprocess.run([sys.executable, str(script), "leave"], **run)
     assert left.stdout.strip() == "done"
     assert left.returncode == -6 and "terminate called without an active exception" in left.stderr, \
         (left.returncode, left.stderr[-2000:])
