@@ -120,9 +120,9 @@ def test_a_gptq_arm_has_its_own_base(summarize, tmp_path):
 
 
 V2 = ROOT / "experiments" / "qwen05_gsm8k_v2" / "results"
-V2_MULTI_SEED_ARMS = {"bf16": [0, 1, 2, 3], "nvfp4_aqn": [0, 1, 2], "nvfp4_aqn_gptq": [0, 1, 2, 3],
+V2_MULTI_SEED_ARMS = {"bf16": [0, 1, 2, 3], "nvfp4": [0, 1, 2], "nvfp4_aqn": [0, 1, 2], "nvfp4_aqn_gptq": [0, 1, 2, 3],
                       "nvfp4_gptq": [0, 1, 2, 3]}  # arm -> its seeds
-V2_ONE_SEED_ARMS = ("bf16_aqn", "nf4")  # issue 16's single-seed arms
+V2_ONE_SEED_ARMS = ("bf16_aqn", "nf4", "nvfp4_aqn_mse")  # issue 16's single-seed arms, and the MSE-scale arm's first seed
 
 
 def test_recipe_2_summary_is_recomputed_from_its_committed_runs(summarize, tmp_path, monkeypatch):
@@ -171,7 +171,7 @@ def test_paired_differences_are_seed_against_seed(summarize):
     assert p["pass1"] == pytest.approx([-0.01, -0.05])
 
 
-@pytest.mark.parametrize("pair", ["nvfp4_aqn_gptq - bf16", "nvfp4_aqn_gptq - nvfp4_gptq"])
+@pytest.mark.parametrize("pair", ["nvfp4_aqn_gptq - bf16", "nvfp4_aqn_gptq - nvfp4_gptq", "nvfp4_aqn - nvfp4"])
 def test_docs_quote_recipe_2s_paired_differences(pair):
     """The results page quotes the two seed-against-seed comparisons its reading rests on, in points."""
     p = json.loads((V2 / "summary.json").read_text())["paired"][pair]

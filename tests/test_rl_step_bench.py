@@ -330,3 +330,34 @@ def test_device_peak_closes_its_sampler_so_the_child_exits_cleanly(tmp_path):
     assert left.stdout.strip() == "done"
     assert left.returncode == -6 and "terminate called without an active exception" in left.stderr, \
         (left.returncode, left.stderr[-2000:])
+
+
+_CUDA_SAMPLER_AT_EXIT = """
+import sys, torch
+sys.path.insert(0, {root!r})
+from benchmarks.rl_step import DevicePeak
+x = torch.randn(4096, 4096, device="cuda")
+peak = DevicePeak(period=0.0)  # the real cudaMemGetInfo, as fast as it goes
+for _ in range(200):
+    x = torch.tanh(x @ x)
+torch.cuda.synchronize()
+assert peak.take() > 0
+if sys.argv[1] == "close":
+    peak.close()
+print("done", flush=True)
+"""
+
+
+@pytest.mark.gpu
+def test_device_peak_on_cuda_exits_cleanly_once_closed(tmp_path):
+    """The same on a GPU, with the sampler's real `torch.cuda.mem_get_info` (the form that aborted the rl_step
+    children): closed, the process exits 0. Left running it may abort or not, by timing; the device call
+    that ran this test counted that separately (docs/gpu.md, "Session 35")."""
+    import subprocess
+
+    script = tmp_path / "cuda_sampler.py"
+    script.write_text(_CUDA_SAMPLER_AT_EXIT.format(root=str(Path(__file__).resolve().parents[1])))
+    for _ in range(5):
+        closed = subprocess.run([sys.executable, str(script), "close"], capture_output=True, text=True,
+                                timeout=300, cwd=tmp_path)
+        assert closed.returncode == 0 and closed.stdout.strip() == "done", (closed.returncode, closed.stderr[-2000:])
