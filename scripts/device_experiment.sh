@@ -379,6 +379,18 @@ qwen_workspace() {  # WS TEMPLATE QUANT: a run workspace holding tmpl/TEMPLATE's
   mkdir -p "$1/models" && cp -al $EXP/tmpl/$2/models/base "$1/models/base" && cp -al $EXP/tmpl/$2/models/$3 "$1/models/$3"
 }
 
+qwen_claim() {  # WS: mark WS as a run of experiments/$QWEN_EXPERIMENT; fail if another experiment's run is in it.
+  # The workspaces are runs/ARM/seedS whatever the experiment, and `qerl run` resumes a workspace whose config
+  # differs only in run.steps / eval.every (a longer run), so a lease that ran recipe 2's bf16 seed 0 would
+  # otherwise continue it as recipe 3's, its first 60 steps on recipe 2's schedule.
+  local mark=$1/EXPERIMENT
+  if [ -f "$mark" ] && [ "$(cat "$mark")" != "$QWEN_EXPERIMENT" ]; then
+    echo "$1 holds a run of experiments/$(cat "$mark"), not of experiments/$QWEN_EXPERIMENT: one experiment per lease" >&2
+    return 1
+  fi
+  mkdir -p "$1" && echo "$QWEN_EXPERIMENT" > "$mark"
+}
+
 qwen_convert_from_base() {  # TEMPLATE ARM: ARM's checkpoint into tmpl/TEMPLATE, finding tmpl/bf16's models/base in
   # place (hard links, its SOURCE names the same GGUF), so the stage skips the GGUF load. Needs exp_env's exports.
   # prepare first: a GPTQ arm calibrates on the prepared training prompts (GSM8K's first rows, whatever the seed).
@@ -422,6 +434,7 @@ qwen_arms() {
     tq=$(qwen_template "$arm")
     quant=${tq%%_*}
     ws=$EXP/runs/$arm/seed$seed
+    qwen_claim "$ws" || { echo "run $arm seed $seed: skipped"; continue; }
     qwen_workspace "$ws" "$tq" "$quant" || return 8
     ( timeout -k 15 "$limit" python3 -m qerl_lib run -c "$(qwen_cfg "$arm")" -s data.source=$EXP/gsm8k \
         -s run.seed="$seed" -s aqn.seed=$((1234 + seed)) -s eval.base="$base" --root "$ws" >> "$logs/$arm.seed$seed.log" 2>&1
@@ -490,6 +503,7 @@ qwen_base_evals() {  # ARM ...: each arm's base checkpoint (converted here; GPTQ
     # summarize.py --base-evals names the base by this report (quantization, observer, GPTQ) and its hash
     cp $EXP/tmpl/$tq/models/$quant/convert_report.json "$OUT/$arm.convert_report.json"
     echo "[$((SECONDS - t0)) s] $tq ready"
+    qwen_claim "$ws" || return 8
     qwen_workspace "$ws" "$tq" "$quant" || return 8
     ( run_env; export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
       # shellcheck disable=SC2086  # QWEN_EVAL_SET: extra overrides, e.g. "-s eval.k=1" (greedy + one sample: faster)

@@ -2,6 +2,7 @@
 
 The device tool refuses a call whose working tree and carried paths pass its size limit, and a refused
 call mid-sequence costs the machine (it is given back after 30 s idle). The check runs here, before.
+And its `qwen_claim`: a run workspace on the machine belongs to one experiment.
 """
 
 from __future__ import annotations
@@ -55,3 +56,26 @@ def test_a_missing_path_is_named(tmp_path):
     r = carry_check(tmp_path / "nope", limit=2**30)
     assert r.returncode != 0
     assert "nope does not exist" in r.stderr
+
+
+def qwen_claim(ws: Path, experiment: str) -> subprocess.CompletedProcess:
+    """The script's `qwen_claim` function alone, run on `ws` for `experiment` (QWEN_EXPERIMENT)."""
+    body = subprocess.run(["sed", "-n", "/^qwen_claim() {/,/^}/p", str(SCRIPT)], capture_output=True, text=True,
+                          check=True).stdout
+    assert body.startswith("qwen_claim() {"), "scripts/device_experiment.sh lost its qwen_claim function"
+    return subprocess.run(["bash", "-c", body + 'qwen_claim "$1"', "qwen_claim", str(ws)], capture_output=True,
+                          text=True, env=dict(os.environ, QWEN_EXPERIMENT=experiment))
+
+
+def test_a_workspace_of_another_experiment_is_refused(tmp_path):
+    """`qerl run` resumes a workspace whose config differs only in run.steps / eval.every, so recipe 3's
+    bf16 seed 0 would continue recipe 2's in the same runs/bf16/seed0: the claim refuses it, naming both."""
+    ws = tmp_path / "runs" / "bf16" / "seed0"
+    first = qwen_claim(ws, "qwen05_gsm8k_v2")
+    assert first.returncode == 0, first.stderr
+    assert (ws / "EXPERIMENT").read_text() == "qwen05_gsm8k_v2\n"
+    assert qwen_claim(ws, "qwen05_gsm8k_v2").returncode == 0  # the same experiment resumes its own run
+    other = qwen_claim(ws, "qwen05_gsm8k_v3")
+    assert other.returncode == 1
+    assert f"{ws} holds a run of experiments/qwen05_gsm8k_v2, not of experiments/qwen05_gsm8k_v3" in other.stderr
+    assert (ws / "EXPERIMENT").read_text() == "qwen05_gsm8k_v2\n"

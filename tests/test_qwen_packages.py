@@ -232,7 +232,7 @@ def _flat_config(path: Path) -> dict:
     return {(s, k): v for s, fields in tree.items() if isinstance(fields, dict) for k, v in fields.items()}
 
 
-@pytest.mark.parametrize("experiment", ["qwen05_gsm8k", "qwen05_gsm8k_v2"])
+@pytest.mark.parametrize("experiment", ["qwen05_gsm8k", "qwen05_gsm8k_v2", "qwen05_gsm8k_v3"])
 def test_qwen05_gsm8k_arms_differ_only_in_the_arm_knobs(experiment):
     """experiments/qwen05_gsm8k*: every arm's config loads and equals nvfp4_aqn outside its knobs."""
     exp = ROOT / "experiments" / experiment
@@ -275,6 +275,19 @@ def test_qwen05_gsm8k_v2_changes_only_the_recipe():
         # micro-batches only group the rows whose gradients accumulate; the loss normalisers are the
         # whole mini-batch's (tests/test_micro_batching.py), so 16 rows at a time is the same update
         assert (one[("optim", "micro_batch_size")], two[("optim", "micro_batch_size")]) == (8, 16), path.name
+
+
+def test_qwen05_gsm8k_v3_is_recipe_2_run_twice_as_long():
+    """Recipe 3 is recipe 2's arms, each with only its length changed (120 steps, the full test set after
+    steps 60 and 120), so its figures at 120 steps say what training longer does and nothing else;
+    the AQN stages and the cosine schedule follow run.steps."""
+    v2, v3 = ROOT / "experiments" / "qwen05_gsm8k_v2", ROOT / "experiments" / "qwen05_gsm8k_v3"
+    assert sorted(p.name for p in v3.glob("*.yaml")) == sorted(p.name for p in v2.glob("*.yaml"))
+    for path in sorted(v3.glob("*.yaml")):
+        two, three = _flat_config(v2 / path.name), _flat_config(path)
+        assert {k for k in two if two[k] != three[k]} == {("run", "root"), ("run", "steps"), ("eval", "every")}, path.name
+        assert (two[("run", "steps")], three[("run", "steps")], three[("eval", "every")]) == (60, 120, 60), path.name
+        assert three[("run", "root")] == f"runs/qwen05_gsm8k_v3/{path.stem}/seed0", path.name
 
 
 def test_qwen15_gsm8k_is_recipe_2_on_the_1_5b():

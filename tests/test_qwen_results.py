@@ -125,6 +125,32 @@ V2_MULTI_SEED_ARMS = {"bf16": [0, 1, 2, 3], "nvfp4": [0, 1, 2], "nvfp4_aqn": [0,
 V2_ONE_SEED_ARMS = ("bf16_aqn", "nf4", "nvfp4_aqn_mse")  # issue 16's single-seed arms, and the MSE-scale arm's first seed
 
 
+def test_a_run_evaluated_on_the_way_carries_its_trajectory(summarize, tmp_path):
+    """`eval.every`: a run evaluated before its last step carries `evals` (step -> greedy / pass@1), a
+    run the deadline cut keeps those it made in its `incomplete` row, and `per_arm` averages each step
+    over the seeds evaluated there; a run evaluated only at its end gains no key."""
+    out = tmp_path / "results"
+    for seed in (0, 1, 2):
+        shutil.copytree(V2 / "runs" / "bf16" / f"seed{seed}", out / "runs" / "bf16" / f"seed{seed}")
+    final = {s: json.loads((out / "runs/bf16" / f"seed{s}" / "eval/step=60/metrics.json").read_text()) for s in (0, 1)}
+    for seed, step, acc in ((0, 20, 0.26), (0, 40, 0.28), (1, 20, 0.30)):
+        d = out / "runs/bf16" / f"seed{seed}" / f"eval/step={step}"
+        d.mkdir(parents=True)
+        (d / "metrics.json").write_text(json.dumps({**final[seed], "greedy_acc": acc, "pass_at_1": acc - 0.01}))
+    shutil.rmtree(out / "runs/bf16/seed1/eval/step=60")  # cut by the deadline before its final evaluation
+    got = summarize.summarize(out)
+    rows = {r["seed"]: r for r in got["rows"]}
+    assert sorted(rows) == [0, 2] and "evals" not in rows[2]
+    assert rows[0]["evals"] == {"20": {"greedy_acc": 0.26, "pass1": 0.25}, "40": {"greedy_acc": 0.28, "pass1": 0.27},
+                                "60": {"greedy_acc": final[0]["greedy_acc"], "pass1": final[0]["pass_at_1"]}}
+    [cut] = got["incomplete"]
+    assert (cut["seed"], cut["evals"]) == (1, {"20": {"greedy_acc": 0.30, "pass1": 0.29}})
+    assert got["per_arm"]["bf16"]["seeds"] == [0, 2]
+    assert got["per_arm"]["bf16"]["evals"]["40"] == {"greedy_acc": 0.28, "pass1": 0.27}  # seed 2 has no step 40
+    assert got["per_arm"]["bf16"]["evals"]["60"]["greedy_acc"] == pytest.approx(
+        (final[0]["greedy_acc"] + rows[2]["greedy_acc"]) / 2)
+
+
 def test_recipe_2_summary_is_recomputed_from_its_committed_runs(summarize, tmp_path, monkeypatch):
     """Recipe 2's summary, base rows taken from recipe 1's summary by checkpoint hash, as committed."""
     monkeypatch.chdir(ROOT)  # the committed rows name the base summary by its path from the repository root

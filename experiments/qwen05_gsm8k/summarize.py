@@ -26,8 +26,10 @@ beside this file:
   rounded, `model.nvfp4_calibration`) from the step-0 evaluations, those of the runs and those of
   `results/base_evals` (`base_eval_rows`);
   runs without an evaluation at their last step are listed under `incomplete` with the steps they
-  trained (`steps` = `planned` when only the final evaluation was cut); `per_arm`, each arm's mean and
-  standard deviation over its seeds; `paired`, the seed-against-seed differences between arms (the function `paired`);
+  trained (`steps` = `planned` when only the final evaluation was cut); a run evaluated before its last
+  step too (`eval.every`) carries `evals`, greedy accuracy and pass@1 at each evaluated step (`evals_by_step`),
+  complete or not; `per_arm`, each arm's mean and standard deviation over its seeds (and, where a run
+  has `evals`, their mean at each step over the seeds evaluated there); `paired`, the seed-against-seed differences between arms (the function `paired`);
 - `results/curves.png`: reward, entropy, KL to the base and the samples' correct rate per step, one line per arm
   (the mean over its seeds that trained every step, evaluated or not, with a band of +- one standard
   deviation where there are two or more).
@@ -184,6 +186,16 @@ def late_means(steps: list[dict], planned: int) -> dict:
     return out
 
 
+def evals_by_step(evals: dict[int, dict], planned: int) -> dict[str, dict]:
+    """A run's evaluations after training began, {"K": {"greedy_acc", "pass1"}} for each step K in
+    1..`planned` it was evaluated at (`evals`: step -> that step's eval metrics.json), when at least one
+    came before the last step (`eval.every`); else {}, so a run evaluated only at its end adds no key."""
+    steps = sorted(k for k in evals if 0 < k <= planned)
+    if not any(k < planned for k in steps):
+        return {}
+    return {str(k): {"greedy_acc": evals[k]["greedy_acc"], "pass1": evals[k]["pass_at_1"]} for k in steps}
+
+
 def _planned_steps(cfg: str) -> int:
     """`run.steps` of a run's saved `config.yaml` text (60, the first recipe's, when it has none)."""
     return int(re.search(r"^  steps: (\d+)", cfg, re.M).group(1)) if cfg else 60
@@ -317,16 +329,18 @@ def summarize(out: Path, experiment: str = DEFAULT_EXPERIMENT, base_from: Path |
             by_stage[t["stage"]] = round(by_stage.get(t["stage"], 0.0) + t["seconds"], 1)
         if 0 in evals:
             base.append(_base_row(base_arm, evals[0], digest, seed, from_run=f"{arm}/seed{seed}"))
-        if planned not in evals:
+        trajectory = evals_by_step(evals, planned)
+        extra = {"evals": trajectory} if trajectory else {}
+        if planned not in evals:  # an evaluation before the deadline's cut is kept with the run's steps
             incomplete.append({"arm": arm, "seed": seed, "steps": steps, "planned": planned,
-                               "seconds_by_stage": by_stage})
+                               "seconds_by_stage": by_stage, **extra})
             continue
         m = evals[planned]
         rows.append({"arm": arm, "seed": seed, "steps": steps, "greedy_acc": m["greedy_acc"],
                      "greedy_se": m["greedy_acc_se"], "pass1": m["pass_at_1"], "pass1_se": m["pass_at_1_se"],
                      "k": m["k"], "n_test": m["n_prompts"], "greedy_format_rate": m["greedy_format_rate"],
                      "seconds_by_stage": by_stage, "seconds_total": round(sum(by_stage.values()), 1),
-                     "late": late_means(step_rows, planned)})
+                     "late": late_means(step_rows, planned), **extra})
     per_arm = {}
     for arm in arm_order(r["arm"] for r in rows):
         rs = [r for r in rows if r["arm"] == arm]
@@ -335,6 +349,13 @@ def summarize(out: Path, experiment: str = DEFAULT_EXPERIMENT, base_from: Path |
             vals = [r[key] for r in rs]
             agg[key] = statistics.fmean(vals)
             agg[f"{key}_std"] = statistics.stdev(vals) if len(vals) > 1 else None
+        if any("evals" in r for r in rs):  # the mean over the seeds evaluated at each step (all, at the last)
+            by_step = [r.get("evals") or {str(r["steps"]): {"greedy_acc": r["greedy_acc"], "pass1": r["pass1"]}}
+                       for r in rs]
+            agg["evals"] = {}
+            for k in sorted({int(k) for e in by_step for k in e}):
+                seen = [e[str(k)] for e in by_step if str(k) in e]
+                agg["evals"][str(k)] = {key: statistics.fmean(e[key] for e in seen) for key in ("greedy_acc", "pass1")}
         per_arm[arm] = agg
     base = base + base_eval_rows(out, {r["arm"] for r in base}, hashes)
     if base_from is not None:
@@ -424,13 +445,17 @@ def main() -> None:
     for r in summary["rows"]:
         print(f"{r['arm']:>14} seed {r['seed']} steps {r['steps']:>2}: greedy {r['greedy_acc']:.3f} ± {r['greedy_se']:.3f}"
               f"  pass@1 {r['pass1']:.3f} ± {r['pass1_se']:.3f}  (n={r['n_test']})")
+        if r.get("evals"):
+            print(" " * 22 + "evaluated at step " + ", ".join(
+                f"{k}: {e['greedy_acc']:.3f} / {e['pass1']:.3f}" for k, e in r["evals"].items()))
     for name, p in summary["paired"].items():
         print(f"{name:>30}, seeds {p['seeds']}: greedy {100 * p['greedy_acc_mean']:+.1f} ± {100 * p['greedy_acc_std']:.1f}"
               f"  pass@1 {100 * p['pass1_mean']:+.1f} ± {100 * p['pass1_std']:.1f} points")
     for r in summary["incomplete"]:
         why = ("trained every step, its final evaluation did not finish" if r["steps"] >= r["planned"]
                else f"stopped after {r['steps']} of {r['planned']} steps")
-        print(f"{r['arm']:>14} seed {r['seed']}: {why} (not counted)")
+        print(f"{r['arm']:>14} seed {r['seed']}: {why} (not counted)" + "".join(
+            f"; step {k}: {e['greedy_acc']:.3f} / {e['pass1']:.3f}" for k, e in r.get("evals", {}).items()))
 
 
 if __name__ == "__main__":
