@@ -250,3 +250,55 @@ def test_a_base_evaluated_without_training_is_filed_by_its_checkpoint(summarize,
     with pytest.raises(ValueError, match=r"nvfp4.convert_report.json: missing beside nvfp4.step0_metrics.json"):
         summarize.collect_base_evals([src], out, "qwen05_gsm8k_v2")
     assert not (out / "base_evals").exists()
+
+
+def test_an_archive_taken_mid_run_gets_its_steps_rebuilt(summarize, tmp_path):
+    """`qwen-wait` archives a run that still holds its workspace, whose report stage is refused: no
+    `reports/`. `collect` rebuilds steps.csv and eval.csv from the metric files, so the run's steps
+    are counted and its curve is drawn (dashed, as far as it got) when no run of its arm finished."""
+    ws = tmp_path / "arc" / "runs" / "bf16" / "seed0"
+    (ws / "eval" / "step=2").mkdir(parents=True)
+    (ws / "config.yaml").write_text((ROOT / "experiments/qwen05_gsm8k_v3/bf16.yaml").read_text())
+    for i in range(3):  # updates 0-2 done, step 3 rolled out and scored, its update cut
+        for rel, obj in ((f"metrics/step={i}/update.json", {"loss": 0.1 * i, "kl": 0.01 * i}),
+                         (f"rewards/step={i}/metrics.json", {"reward_mean": 0.2 + i, "correct_rate": 0.1 * i})):
+            (ws / rel).parent.mkdir(parents=True, exist_ok=True)
+            (ws / rel).write_text(json.dumps(obj))
+    (ws / "rewards/step=3").mkdir()
+    (ws / "rewards/step=3/metrics.json").write_text(json.dumps({"reward_mean": 0.5, "correct_rate": 0.4}))
+    (ws / "eval/step=2/metrics.json").write_text(json.dumps(
+        {"step": 2, "greedy_acc": 0.3, "pass_at_1": 0.29, "greedy_acc_se": 0.01, "pass_at_1_se": 0.01, "k": 4,
+         "n_prompts": 1319, "greedy_format_rate": 1.0}))
+    out = tmp_path / "results"
+    summarize.collect([tmp_path / "arc"], out, "qwen05_gsm8k_v3")
+    steps = summarize._csv(out / "runs/bf16/seed0/steps.csv")
+    assert [(r["step"], r["has_update"], r["correct_rate"]) for r in steps] == [
+        (0, 1, 0.0), (1, 1, 0.1), (2, 1, 0.2), (3, 0, 0.4)]
+    assert [r["greedy_acc"] for r in summarize._csv(out / "runs/bf16/seed0/eval.csv")] == [0.3]
+    [cut] = summarize.summarize(out, "qwen05_gsm8k_v3")["incomplete"]
+    assert (cut["steps"], cut["planned"], cut["evals"]) == (3, 120, {"2": {"greedy_acc": 0.3, "pass1": 0.29}})
+    assert summarize.plot(out, ["bf16"], "qwen05_gsm8k_v3") == ["bf16 seed0 (stopped: 3 of 120 steps)"]
+
+
+def test_recipe_3_summary_is_recomputed_from_its_committed_runs(summarize, tmp_path, monkeypatch):
+    """Recipe 3's summary (two runs the machine lost mid-way: `incomplete`, with their step-60
+    evaluations), base rows from recipe 2's summary by checkpoint hash, as committed."""
+    monkeypatch.chdir(ROOT)
+    v3 = ROOT / "experiments" / "qwen05_gsm8k_v3" / "results"
+    committed_v3 = json.loads((v3 / "summary.json").read_text())
+    out = tmp_path / "results"
+    shutil.copytree(v3 / "runs", out / "runs")
+    got = summarize.summarize(out, "qwen05_gsm8k_v3", Path("experiments/qwen05_gsm8k_v2/results/summary.json"))
+    assert got == committed_v3
+    assert {(r["arm"], r["steps"], r["planned"]) for r in got["incomplete"]} == {("bf16", 93, 120),
+                                                                                ("nvfp4_aqn_gptq", 81, 120)}
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/results_qwen05_gsm8k.md", "experiments/qwen05_gsm8k_v3/README.md"])
+def test_docs_quote_recipe_3s_step_60_evaluations(doc):
+    committed_v3 = json.loads((ROOT / "experiments/qwen05_gsm8k_v3/results/summary.json").read_text())
+    text = (ROOT / doc).read_text()
+    for run in committed_v3["incomplete"]:
+        e = run["evals"]["60"]
+        quoted = f"{e['greedy_acc']:.3f} / {e['pass1']:.3f}"
+        assert quoted in text, f"{doc}: {run['arm']} seed {run['seed']} should quote {quoted} at step 60"

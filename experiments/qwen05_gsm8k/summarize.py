@@ -32,7 +32,11 @@ beside this file:
   has `evals`, their mean at each step over the seeds evaluated there); `paired`, the seed-against-seed differences between arms (the function `paired`);
 - `results/curves.png`: reward, entropy, KL to the base and the samples' correct rate per step, one line per arm
   (the mean over its seeds that trained every step, evaluated or not, with a band of +- one standard
-  deviation where there are two or more).
+  deviation where there are two or more); an arm none of whose runs trained every step is drawn run by
+  run, dashed, as far as each got.
+
+An archive without `reports/` (taken while the run still held its workspace) gets its `steps.csv` and
+`eval.csv` rebuilt from the run's metric files (`rebuild_reports`).
 """
 
 from __future__ import annotations
@@ -101,6 +105,32 @@ def _copy(src: Path, dest: Path, command: str) -> None:
     shutil.copy2(src, dest)
 
 
+def rebuild_reports(ws: Path, dest: Path) -> list[Path]:
+    """Write `dest/steps.csv` and `dest/eval.csv` from the per-step metric files of workspace `ws`
+    (`qerl_lib.report`, the report stage's own tables), for an archive that holds no `reports/`.
+
+    An archive taken while `qerl run` still works in the workspace has none: the report stage is
+    refused while a run holds the workspace lock, and `qwen-wait` archives every run, running or not.
+    Its metric files (`metrics/step=I/update.json`, `rewards/step=I/metrics.json`,
+    `eval/step=K/metrics.json`) are there, so the progress of a run that the machine lost mid-way is
+    not lost with it. Rows lack `rollout_seconds` (the rollouts' provenance stays on the machine).
+    Returns the files written (none when `ws` has no metric file)."""
+    from qerl_lib import report
+    from qerl_lib.io import atomic_write_text
+    from qerl_lib.paths import Layout
+
+    cfg = (ws / "config.yaml").read_text() if (ws / "config.yaml").is_file() else ""
+    layout, planned = Layout(ws), _planned_steps(cfg)
+    written = []
+    for name, rows, columns in (("steps.csv", report.collect_steps(layout, planned), report.STEP_COLUMNS),
+                                ("eval.csv", report.collect_evals(layout, planned), report.EVAL_COLUMNS)):
+        if rows:
+            dest.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(dest / name, report.to_csv(rows, columns))
+            written.append(dest / name)
+    return written
+
+
 def collect(archives: list[Path], out: Path, experiment: str = DEFAULT_EXPERIMENT) -> None:
     """Copy the result files of every run in `archives` (later ones win) into `out/runs`."""
     for arc in archives:
@@ -117,6 +147,8 @@ def collect(archives: list[Path], out: Path, experiment: str = DEFAULT_EXPERIMEN
                       f"python -m qerl_lib stage convert -c experiments/{experiment}/{p.parent.name}.yaml "
                       "-s data.source=<gsm8k dir> --root <template workspace> (`scripts/device_experiment.sh "
                       "qwen-convert`, once per quantization; hard-linked into each run's workspace)")
+            if not (dest / "steps.csv").is_file():
+                rebuild_reports(ws, dest)
             for p in ws.glob("eval/step=*/metrics.json"):
                 _copy(p, dest / "eval" / p.parent.name / "metrics.json", command)
             for p in ws.glob("samples/*.parquet"):
@@ -198,7 +230,10 @@ def evals_by_step(evals: dict[int, dict], planned: int) -> dict[str, dict]:
 
 def _planned_steps(cfg: str) -> int:
     """`run.steps` of a run's saved `config.yaml` text (60, the first recipe's, when it has none)."""
-    return int(re.search(r"^  steps: (\d+)", cfg, re.M).group(1)) if cfg else 60
+    import yaml
+
+    steps = ((yaml.safe_load(cfg) or {}).get("run") or {}).get("steps") if cfg else None
+    return int(steps) if steps is not None else 60
 
 
 def _checkpoint_hash(run: Path) -> str | None:
@@ -383,7 +418,14 @@ def recipe(experiment: str) -> tuple[int, int, str]:
     return cfg["run"]["steps"], cfg["rollout"]["prompts_per_step"] * cfg["rollout"]["group_size"], title
 
 
-def plot(out: Path, arms: list[str], experiment: str = DEFAULT_EXPERIMENT) -> None:
+def _value(row: dict, key: str) -> float:
+    """Column `key` of a steps.csv row as a float (NaN where the step has no such value)."""
+    v = row.get(key)
+    return float(v) if v not in ("", None) else math.nan
+
+
+def plot(out: Path, arms: list[str], experiment: str = DEFAULT_EXPERIMENT) -> list[str]:
+    """Draw `out/curves.png` (see the module docstring); return the legend's labels."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -395,13 +437,17 @@ def plot(out: Path, arms: list[str], experiment: str = DEFAULT_EXPERIMENT) -> No
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     for ax, (key, title) in zip(axes.flat, keys):
         for arm in arms:
-            runs = [_csv(p / "steps.csv") for p in sorted((out / "runs" / arm).glob("seed*"))]
-            runs = [r for r in runs if r and len(r) >= steps]
-            if not runs:
+            seeds = {p: _csv(p / "steps.csv") for p in sorted((out / "runs" / arm).glob("seed*"))}
+            runs = [r for r in seeds.values() if r and len(r) >= steps]
+            if not runs:  # no run trained every step: each run that stopped, as far as it got
+                for run, r in seeds.items():
+                    if r:
+                        ax.plot([row["step"] for row in r], [_value(row, key) for row in r], linestyle="--",
+                                label=f"{arm} {run.name} (stopped: {_steps_done(run, r)} of {steps} steps)")
                 continue
             n = min(len(r) for r in runs)
             xs = list(range(n))
-            cols = [[float(r[i][key]) if r[i][key] not in ("", None) else math.nan for i in xs] for r in runs]
+            cols = [[_value(r[i], key) for i in xs] for r in runs]
             mean = [statistics.fmean(c[i] for c in cols) for i in xs]
             line, = ax.plot(xs, mean, label=f"{arm} ({len(runs)} seed{'s' if len(runs) > 1 else ''})")
             if len(runs) > 1:
@@ -415,6 +461,8 @@ def plot(out: Path, arms: list[str], experiment: str = DEFAULT_EXPERIMENT) -> No
     fig.suptitle(f"{model} on GSM8K, {steps} steps x {samples} samples (experiments/{experiment})")
     fig.tight_layout()
     fig.savefig(out / "curves.png", dpi=110)
+    plt.close(fig)
+    return axes.flat[0].get_legend_handles_labels()[1]
 
 
 def main() -> None:
