@@ -2,9 +2,11 @@
 
 The plan is a flat list of stage calls. A call is done when its last-written output
 exists (every output is written atomically, so existence means complete); a run that
-is started again skips done calls and continues at the first missing one. The
-policy model stays loaded across calls (`policy.get_policy(reuse=True)`), so a step
-pays no model start-up.
+is started again skips done calls and continues at the first missing one. A step's
+rollout and reward also count as done once its update is (`trained`): their outputs
+were consumed, and a workspace may drop them (`resume_state`: the files another
+machine needs to continue the run). The policy model stays loaded across calls
+(`policy.get_policy(reuse=True)`), so a step pays no model start-up.
 
 One run at a time per workspace: an exclusive `flock` on `<root>/.qerl.lock` refuses a
 second one with a clear message (the kernel drops the lock if the holder is killed).
@@ -16,13 +18,14 @@ import json
 import os
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterator
 
 import yaml
 
 from qerl_lib.config import QerlConfig, config_to_dict, save_config
 from qerl_lib.env import release_memory
-from qerl_lib.paths import Layout
+from qerl_lib.paths import TRAINER_STATE, Layout
 from qerl_lib.stages import registry
 
 
@@ -102,6 +105,38 @@ def _diff(a: dict, b: dict, prefix: str = "") -> list[str]:
     return out
 
 
+def trained(call: registry.Call, layout: Layout) -> bool:
+    """Whether `call` is a rollout or reward of a step whose update is done: its outputs were
+    consumed by that update, so the call is not run again even when they are gone."""
+    return call.name in ("rollout", "reward") and layout.update_metrics(call.step).is_file()
+
+
+def steps_trained(layout: Layout) -> int:
+    """N: updates 0..N-1 are done (each `update.json` there) and adapter N exists, so the run
+    continues at step N from adapter N and its optimizer state alone."""
+    n = 0
+    while layout.update_metrics(n).is_file():
+        n += 1
+    return n if (layout.adapter(n) / TRAINER_STATE).is_file() else 0
+
+
+def resume_state(layout: Layout) -> list[Path]:
+    """The files of a workspace from which `qerl run` continues it on another machine, where
+    `prepare` and `convert` remake `data/` and `models/` (both deterministic; or they are placed
+    there): the config, adapter N with its optimizer and trainer state (N = `steps_trained`), the
+    metric files of steps 0..N-1 (they mark those steps done and feed the report), the
+    evaluations of adapters 0..N and the stage times. Rollouts and scored rows, the bulk of a
+    workspace, are left out: `trained` skips the steps that made them. Per-step files of step N
+    and later are left out too, so the resumed run redoes that step whole. Sorted, existing."""
+    n = steps_trained(layout)
+    files = [layout.config, layout.stage_times, *sorted(layout.adapter(n).glob("*"))]
+    for i in range(n):
+        files += [layout.update_metrics(i), layout.reward_metrics(i), layout.rollout_provenance(i)]
+    for k in range(n + 1):
+        files += [layout.eval_metrics(k), layout.eval_provenance(k)]
+    return sorted(f for f in files if f.is_file())
+
+
 def run_all(cfg: QerlConfig, on_event: Callable[[str, registry.Call, dict], None] | None = None) -> list[dict]:
     """Run (or resume) the whole plan. Returns one timing record per executed call."""
     layout = Layout(cfg.run.root)
@@ -110,7 +145,7 @@ def run_all(cfg: QerlConfig, on_event: Callable[[str, registry.Call, dict], None
         check_config(cfg, layout)
         save_config(cfg, layout.config)
         for call in plan(cfg, layout):
-            if call.name != "report" and call.done_marker.exists():
+            if call.name != "report" and (call.done_marker.exists() or trained(call, layout)):
                 if on_event:
                     on_event("skip", call, {})
                 continue

@@ -206,3 +206,42 @@ def test_dvc_repro_resumes_after_kills_and_refuses_a_second_run(dvc_repro_done, 
     assert stages_run(r.out) == ["update@1", f"eval@{STEPS}", "report"]
     assert_same_as_reference(repo, dvc_repro_done)
     assert "up to date" in sh(["dvc", "status"], cwd=repo).stdout
+
+
+@pytest.mark.reproduces
+def test_a_run_continues_on_another_machine_from_its_resume_state(reference_run, tmp_path):
+    """A run stopped after update@0, moved as `run.resume_state` (config, adapter 1 with its optimizer
+    and trainer state, step 0's metric files, evaluation 0) into a workspace where `data/` and `models/`
+    are remade, continues at step 1: step 0's rollouts, gone, are not generated again, and every later
+    output has the bytes of the uninterrupted run."""
+    from qerl_lib.run import resume_state, steps_trained
+
+    old = tmp_path / "old"
+    shutil.copytree(reference_run, old)
+    for rel in ("rollouts/step=1", "rewards/step=1", "metrics/step=1", "adapters/step=2", f"eval/step={STEPS}",
+                "reports"):
+        shutil.rmtree(old / rel)
+    lay_old = Layout(old)
+    assert steps_trained(lay_old) == 1
+    files = resume_state(lay_old)
+    rels = {str(f.relative_to(old)) for f in files}
+    assert {"config.yaml", "adapters/step=1/optimizer.pt", "adapters/step=1/trainer_state.json",
+            "metrics/step=0/update.json", "rewards/step=0/metrics.json", "eval/step=0/metrics.json"} <= rels
+    assert not {r for r in rels if r.endswith(".parquet") or r.startswith(("adapters/step=0", "models", "data"))}
+
+    ws = tmp_path / "new"
+    for rel in rels:
+        (ws / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(old / rel, ws / rel)
+    shutil.copy(reference_run / "params.yaml", ws / "params.yaml")
+    for rel in ("data", "models"):  # what prepare and convert remake there
+        shutil.copytree(reference_run / rel, ws / rel)
+    res = sh(["qerl", "run", "-c", "params.yaml"], cwd=ws)
+    lay = Layout(ws)
+    assert "rollout@0: done before, skipped" in res.stdout + res.stderr
+    assert not lay.rollouts(0).exists() and not lay.scored(0).exists()
+    later = [rel for rel in SAME_BYTES if "step=0" not in rel]
+    differ = [rel for rel in later if (ws / rel).read_bytes() != (reference_run / rel).read_bytes()]
+    assert not differ, differ
+    assert _without_timing(lay.update_metrics(1)) == _without_timing(Layout(reference_run).update_metrics(1))
+    assert lay.report_steps.is_file() and len(lay.report_steps.read_text().splitlines()) == 1 + STEPS
