@@ -42,7 +42,7 @@ cd "$(dirname "$0")/.."
 cmd=${1:-help}
 shift || true
 OUT=${OUT:-/tmp/qerl-out}
-EXP=/tmp/qerl-exp
+EXP=${QERL_EXP:-/tmp/qerl-exp}  # the machine's workspace root (QERL_EXP: the tests' own)
 # bytes per Qwen piece. A call carries the working tree too: 13.1 MB in session 27, when 55,000,000-B pieces
 # stopped fitting (carry-check below), so pieces leave room for a tree of up to about 15 MiB.
 QWEN_PIECE_MAX=${QWEN_PIECE_MAX:-50000000}
@@ -521,6 +521,89 @@ qwen_base_evals() {  # ARM ...: each arm's base checkpoint (converted here; GPTQ
   qwen_collect
 }
 
+# A run that must outlive its machine (a lease's budget, a machine taken back) moves as its resume state
+# (`qerl_lib.run.resume_state`: config, the last adapter with its optimizer and trainer state, the metric
+# files of the steps before it, the evaluations; the rollouts left out). For the 0.5B at r 16 that is about 53 MB,
+# computed, not yet measured: 8.8 M LoRA parameters in float32 (35 MB) and bitsandbytes' 8-bit AdamW moments (18 MB).
+#   there:  QWEN_RUNS="bf16:0:false" qwen-save      snapshot each run's state once (a tar in $EXP/saves, cut
+#                                                    into SAVE_PIECE-byte pieces with a sha256 manifest), then
+#                                                    send the next SAVE_CALL_MAX pieces to $OUT; call again
+#                                                    until it says all were sent (QWEN_SAVE_NEW=1: a new snapshot)
+#   here:   keep-state DIR...                        the pieces that came back (each call's files_at) into
+#                                                    $STATE_DIR/s0, s1, ... (.device/state), one call's carry each
+#   there (a later lease):  qwen-restore             stash the carried $STATE_DIR/s*; once a manifest's pieces
+#                                                    are all there, join, check the sha256 and unpack into
+#                                                    runs/ARM/seedS; qwen-start then continues the run there
+SAVE_PIECE=${SAVE_PIECE:-15728640}  # 15 MiB: the device returns files of at most 16 MiB
+SAVE_CALL_MAX=${SAVE_CALL_MAX:-4}   # pieces a call sends: 4 x 15 MiB under the 64 MiB a call brings back
+STATE_DIR=${STATE_DIR:-.device/state}
+STATE_CARRY=${STATE_CARRY:-3}       # pieces a call carries: 45 MiB beside a working tree of up to 18 MiB
+
+qwen_save() {
+  local r arm seed ws name d=$EXP/saves n=0 p
+  mkdir -p "$OUT" $d
+  for r in $QWEN_RUNS; do
+    IFS=: read -r arm seed _ <<<"$r"
+    ws=$EXP/runs/$arm/seed$seed name=$arm.seed$seed
+    [ "${QWEN_SAVE_NEW:-0}" = 1 ] && rm -f $d/$name.*
+    if [ ! -f $d/$name.manifest ]; then
+      [ -f $ws/config.yaml ] || { echo "qwen-save: no run in $ws" >&2; return 2; }
+      ( exp_env; cd $ws && python3 -c '
+import sys
+from qerl_lib.paths import Layout
+from qerl_lib.run import resume_state, steps_trained
+lay = Layout(".")
+print(steps_trained(lay), file=sys.stderr)
+print("\n".join(str(f) for f in resume_state(lay)))' > $d/$name.files 2> $d/$name.step ) || return 3
+      [ -f $ws/EXPERIMENT ] && echo EXPERIMENT >> $d/$name.files
+      tar -C $ws -cf $d/$name.tar -T $d/$name.files || return 3
+      (cd $d && split -b "$SAVE_PIECE" -d -a 2 $name.tar $name.tar. \
+        && { sha256sum $name.tar; echo "step $(tail -n 1 $name.step)"; ls $name.tar.[0-9]*; } > $name.manifest) || return 3
+      rm -f $d/$name.tar
+      echo "qwen-save: $name at step $(tail -n 1 $d/$name.step): $(ls $d/$name.tar.[0-9]* | wc -l) pieces"
+    fi
+    [ -f $d/$name.sent ] || { cp $d/$name.manifest "$OUT/"; touch $d/$name.sent; }
+    for p in $(sed -n '3,$p' $d/$name.manifest); do
+      grep -qx "$p" $d/$name.sent && continue
+      [ "$n" -ge "$SAVE_CALL_MAX" ] && { echo "qwen-save: more pieces to send: call qwen-save again"; return 0; }
+      cp $d/$p "$OUT/" && echo "$p" >> $d/$name.sent && n=$((n + 1))
+    done
+    echo "qwen-save: every piece of $name sent"
+  done
+  ls -la "$OUT"
+}
+
+keep_state() {  # DIR...: the manifests and pieces there into $STATE_DIR/sK folders of STATE_CARRY pieces each
+  local f k=0 i=0
+  mkdir -p "$STATE_DIR"
+  for f in $(find "$@" -maxdepth 1 -type f \( -name '*.manifest' -o -name '*.tar.[0-9][0-9]' \) | sort); do
+    case "$f" in
+      *.manifest) mkdir -p "$STATE_DIR/s0" && cp "$f" "$STATE_DIR/s0/" ;;
+      *) mkdir -p "$STATE_DIR/s$k" && cp "$f" "$STATE_DIR/s$k/" && i=$((i + 1))
+         [ $((i % STATE_CARRY)) -eq 0 ] && k=$((k + 1)) ;;
+    esac
+  done
+  for f in "$STATE_DIR"/s*; do carry_check "$f" || return 1; done
+}
+
+qwen_restore() {  # the carried $STATE_DIR/s* kept; each run whose pieces are all there unpacked into its workspace
+  local s=$EXP/restore m name ws p missing
+  mkdir -p $s
+  for p in "$STATE_DIR"/s*/; do [ -d "$p" ] && cp "$p"* $s/; done
+  for m in $s/*.manifest; do
+    [ -f "$m" ] || { echo "qwen-restore: no manifest carried yet (it travels in $STATE_DIR/s0)" >&2; return 2; }
+    name=$(basename "$m" .manifest) missing=""
+    for p in $(sed -n '3,$p' "$m"); do [ -f $s/$p ] || missing="$missing $p"; done
+    [ -z "$missing" ] || { echo "qwen-restore: $name waits for$missing"; continue; }
+    ws=$EXP/runs/${name%.seed*}/seed${name##*.seed}
+    [ -f $ws/config.yaml ] && { echo "qwen-restore: $ws holds a run already; not replaced" >&2; return 3; }
+    (cd $s && cat $(sed -n '3,$p' "$m") > $name.tar && head -n 1 "$m" | sha256sum -c --quiet -) \
+      || { echo "qwen-restore: $name: the joined pieces do not match $m's sha256" >&2; rm -f $s/$name.tar; return 4; }
+    mkdir -p $ws && tar -C $ws -xf $s/$name.tar && rm -f $s/$name.tar || return 5
+    echo "qwen-restore: $name into $ws, $(sed -n 2p "$m")"
+  done
+}
+
 qwen_start() {  # qwen-arms in its own process session: it outlives this call (until the machine goes back)
   mkdir -p $EXP/logs
   OUT=$EXP/bg-out setsid nohup bash scripts/device_experiment.sh qwen-arms > $EXP/logs/arms.out 2>&1 < /dev/null &
@@ -543,6 +626,9 @@ case "$cmd" in
   qwen-start) qwen_start ;;
   qwen-base-evals) qwen_base_evals "$@" ;;
   qwen-wait) qwen_wait ;;
+  qwen-save) qwen_save ;;
+  qwen-restore) qwen_restore ;;
+  keep-state) keep_state "$@" ;;
   snap) snap ;;
   keep-w) keep_w ;;
   qwen-convert) qwen_convert ;;

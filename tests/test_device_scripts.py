@@ -79,3 +79,57 @@ def test_a_workspace_of_another_experiment_is_refused(tmp_path):
     assert other.returncode == 1
     assert f"{ws} holds a run of experiments/qwen05_gsm8k_v2, not of experiments/qwen05_gsm8k_v3" in other.stderr
     assert (ws / "EXPERIMENT").read_text() == "qwen05_gsm8k_v2\n"
+
+
+def script(cmd: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """`scripts/device_experiment.sh CMD ARGS` with `env` added, the venv's python3 first on PATH."""
+    full = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **env)
+    return subprocess.run(["bash", str(SCRIPT), cmd, *args], capture_output=True, text=True, env=full, cwd=ROOT,
+                          timeout=300)
+
+
+def test_a_runs_resume_state_travels_in_pieces_and_is_checked(reference_run, tmp_path):
+    """qwen-save cuts a run's resume state (`qerl_lib.run.resume_state`) into pieces, a few a call;
+    keep-state files what came back into carry-sized folders; qwen-restore joins them on another
+    machine into the same files, and refuses pieces whose join does not match the manifest's sha256."""
+    from qerl_lib.paths import Layout
+    from qerl_lib.run import resume_state
+
+    ws = tmp_path / "exp" / "runs" / "bf16" / "seed0"
+    shutil.copytree(reference_run, ws)
+    for rel in ("rollouts/step=1", "rewards/step=1", "metrics/step=1", "adapters/step=2", "eval/step=2"):
+        shutil.rmtree(ws / rel)
+    (ws / "EXPERIMENT").write_text("qwen05_gsm8k_v3\n")
+    expected = [f.relative_to(ws) for f in resume_state(Layout(ws))] + [Path("EXPERIMENT")]
+    outs = []
+    for call in range(20):
+        outs.append(tmp_path / f"out{call}")
+        r = script("qwen-save", QERL_EXP=str(tmp_path / "exp"), OUT=str(outs[-1]), QWEN_RUNS="bf16:0:false",
+                   SAVE_PIECE="20000", SAVE_CALL_MAX="2")
+        assert r.returncode == 0, r.stderr
+        assert len([p for p in outs[-1].iterdir() if ".tar." in p.name]) <= 2
+        if "every piece of bf16.seed0 sent" in r.stdout:
+            break
+    assert len(outs) > 2, "the state should need several calls at 20,000-byte pieces"
+    manifest = (outs[0] / "bf16.seed0.manifest").read_text().splitlines()
+    assert manifest[1] == "step 1"
+
+    state = tmp_path / "state"
+    r = script("keep-state", *map(str, outs), STATE_DIR=str(state), STATE_CARRY="2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert all(len([p for p in d.iterdir() if ".tar." in p.name]) <= 2 for d in state.iterdir())
+
+    r = script("qwen-restore", QERL_EXP=str(tmp_path / "exp2"), STATE_DIR=str(state))
+    assert r.returncode == 0, r.stdout + r.stderr
+    new = tmp_path / "exp2" / "runs" / "bf16" / "seed0"
+    assert "qwen-restore: bf16.seed0 into" in r.stdout and "step 1" in r.stdout
+    assert sorted(str(p.relative_to(new)) for p in new.rglob("*") if p.is_file()) == sorted(map(str, expected))
+    assert all((new / rel).read_bytes() == (ws / rel).read_bytes() for rel in expected)
+    r = script("qwen-restore", QERL_EXP=str(tmp_path / "exp2"), STATE_DIR=str(state))
+    assert r.returncode == 3 and "holds a run already" in r.stderr  # never over a run
+
+    piece = sorted(state.glob("s*/bf16.seed0.tar.01"))[0]
+    piece.write_bytes(b"x" + piece.read_bytes()[1:])
+    r = script("qwen-restore", QERL_EXP=str(tmp_path / "exp3"), STATE_DIR=str(state))
+    assert r.returncode == 4 and "do not match" in r.stderr and "bf16.seed0.manifest" in r.stderr
+    assert not (tmp_path / "exp3" / "runs" / "bf16" / "seed0" / "config.yaml").exists()
