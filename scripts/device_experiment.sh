@@ -545,18 +545,28 @@ qwen_save() {
   for r in $QWEN_RUNS; do
     IFS=: read -r arm seed _ <<<"$r"
     ws=$EXP/runs/$arm/seed$seed name=$arm.seed$seed
-    [ "${QWEN_SAVE_NEW:-0}" = 1 ] && rm -f $d/$name.*
+    [ "${QWEN_SAVE_NEW:-0}" = 1 ] && rm -rf $d/$name.*
     if [ ! -f $d/$name.manifest ]; then
       [ -f $ws/config.yaml ] || { echo "qwen-save: no run in $ws" >&2; return 2; }
+      # The files are copied first and tarred from the copy: the run may still be training, and tar fails on
+      # a file that changes while it reads it (stage_times.jsonl gains a line per stage; whole lines are kept).
+      rm -rf $d/$name.stage
       ( exp_env; cd $ws && python3 -c '
-import sys
+import shutil, sys
+from pathlib import Path
 from qerl_lib.paths import Layout
 from qerl_lib.run import resume_state, steps_trained
-lay = Layout(".")
-print(steps_trained(lay), file=sys.stderr)
-print("\n".join(str(f) for f in resume_state(lay)))' > $d/$name.files 2> $d/$name.step ) || return 3
-      [ -f $ws/EXPERIMENT ] && echo EXPERIMENT >> $d/$name.files
-      tar -C $ws -cf $d/$name.tar -T $d/$name.files || return 3
+lay, dest = Layout("."), Path(sys.argv[1])
+n = steps_trained(lay)
+for f in resume_state(lay) + [p for p in (Path("EXPERIMENT"),) if p.is_file()]:
+    (dest / f).parent.mkdir(parents=True, exist_ok=True)
+    if f == lay.stage_times:
+        text = f.read_text()
+        (dest / f).write_text(text[: text.rfind("\n") + 1])
+    else:
+        shutil.copy2(f, dest / f)
+print(n)' $d/$name.stage > $d/$name.step ) || return 3
+      tar -C $d/$name.stage -cf $d/$name.tar . && rm -rf $d/$name.stage || return 3
       (cd $d && split -b "$SAVE_PIECE" -d -a 2 $name.tar $name.tar. \
         && { sha256sum $name.tar; echo "step $(tail -n 1 $name.step)"; ls $name.tar.[0-9]*; } > $name.manifest) || return 3
       rm -f $d/$name.tar
