@@ -584,14 +584,13 @@ print(n)' $d/$name.stage > $d/$name.step ) || return 3
 }
 
 keep_state() {  # DIR...: the manifests and pieces there into $STATE_DIR/sK folders of STATE_CARRY pieces each
-  local f k=0 i=0
-  mkdir -p "$STATE_DIR"
+  local f i=0 dest
   for f in $(find "$@" -maxdepth 1 -type f \( -name '*.manifest' -o -name '*.tar.[0-9][0-9]' \) | sort); do
     case "$f" in
-      *.manifest) mkdir -p "$STATE_DIR/s0" && cp "$f" "$STATE_DIR/s0/" ;;
-      *) mkdir -p "$STATE_DIR/s$k" && cp "$f" "$STATE_DIR/s$k/" && i=$((i + 1))
-         [ $((i % STATE_CARRY)) -eq 0 ] && k=$((k + 1)) ;;
+      *.manifest) dest=$STATE_DIR/s0 ;;
+      *) dest=$STATE_DIR/s$((i / STATE_CARRY)) i=$((i + 1)) ;;
     esac
+    mkdir -p "$dest" && cp "$f" "$dest/" || return 1
   done
   for f in "$STATE_DIR"/s*; do carry_check "$f" || return 1; done
 }
