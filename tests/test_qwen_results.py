@@ -10,6 +10,7 @@ runs (base rows from recipe 1's summary, by checkpoint hash), and the docs quote
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import json
 import shutil
@@ -281,8 +282,10 @@ def test_an_archive_taken_mid_run_gets_its_steps_rebuilt(summarize, tmp_path):
 
 
 def test_recipe_3_summary_is_recomputed_from_its_committed_runs(summarize, tmp_path, monkeypatch):
-    """Recipe 3's summary (two runs the machine lost mid-way: `incomplete`, with their step-60
-    evaluations), base rows from recipe 2's summary by checkpoint hash, as committed."""
+    """Recipe 3's summary, base rows from recipe 2's summary by checkpoint hash, as committed. Both of its
+    runs are `incomplete` with their step-60 evaluations: the GPTQ arm lost its machine after 81 updates
+    (session 36); BF16's rerun (session 37) made all 120 updates, and its deadline cut the step-120
+    evaluation."""
     monkeypatch.chdir(ROOT)
     v3 = ROOT / "experiments" / "qwen05_gsm8k_v3" / "results"
     committed_v3 = json.loads((v3 / "summary.json").read_text())
@@ -290,7 +293,7 @@ def test_recipe_3_summary_is_recomputed_from_its_committed_runs(summarize, tmp_p
     shutil.copytree(v3 / "runs", out / "runs")
     got = summarize.summarize(out, "qwen05_gsm8k_v3", Path("experiments/qwen05_gsm8k_v2/results/summary.json"))
     assert got == committed_v3
-    assert {(r["arm"], r["steps"], r["planned"]) for r in got["incomplete"]} == {("bf16", 93, 120),
+    assert {(r["arm"], r["steps"], r["planned"]) for r in got["incomplete"]} == {("bf16", 120, 120),
                                                                                 ("nvfp4_aqn_gptq", 81, 120)}
 
 
@@ -302,3 +305,17 @@ def test_docs_quote_recipe_3s_step_60_evaluations(doc):
         e = run["evals"]["60"]
         quoted = f"{e['greedy_acc']:.3f} / {e['pass1']:.3f}"
         assert quoted in text, f"{doc}: {run['arm']} seed {run['seed']} should quote {quoted} at step 60"
+
+
+@pytest.mark.parametrize("doc", ["docs/results_qwen05_gsm8k.md", "experiments/qwen05_gsm8k_v3/README.md"])
+def test_docs_quote_the_replaced_runs_of_recipe_3(doc):
+    """A run whose seed ran again is kept under `results/replaced/SESSION/` (summarize.py reads only
+    `runs/`), and the docs still quote its step-60 evaluation next to the rerun's: the two are the
+    run-to-run spread of one seed on the GPU."""
+    text = (ROOT / doc).read_text()
+    replaced = sorted((ROOT / "experiments/qwen05_gsm8k_v3/results/replaced").glob("*/*/seed*/eval.csv"))
+    assert replaced
+    for f in replaced:
+        e = next(r for r in csv.DictReader(f.open()) if r["step"] == "60")
+        quoted = f"{float(e['greedy_acc']):.3f} / {float(e['pass_at_1']):.3f}"
+        assert quoted in text, f"{doc}: {f.parent} should quote {quoted} at step 60"

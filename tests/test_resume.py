@@ -245,3 +245,33 @@ def test_a_run_continues_on_another_machine_from_its_resume_state(reference_run,
     assert not differ, differ
     assert _without_timing(lay.update_metrics(1)) == _without_timing(Layout(reference_run).update_metrics(1))
     assert lay.report_steps.is_file() and len(lay.report_steps.read_text().splitlines()) == 1 + STEPS
+
+
+@pytest.mark.reproduces
+def test_a_run_moved_after_its_last_update_only_evaluates(reference_run, tmp_path):
+    """A run whose deadline cut its final evaluation after every update (issue 16's recipe 3 BF16 run,
+    session 37) moves as its resume state at N = run.steps: `qerl run` there starts eval@N and the
+    report and nothing else, and the evaluation has the uninterrupted run's bytes."""
+    from qerl_lib.run import resume_state, steps_trained
+
+    old = tmp_path / "old"
+    shutil.copytree(reference_run, old)
+    for rel in (f"eval/step={STEPS}", "reports"):
+        shutil.rmtree(old / rel)
+    lay_old = Layout(old)
+    assert steps_trained(lay_old) == STEPS
+    ws = tmp_path / "new"
+    for f in resume_state(lay_old):
+        rel = f.relative_to(old)
+        (ws / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(f, ws / rel)
+    shutil.copy(reference_run / "params.yaml", ws / "params.yaml")
+    for rel in ("data", "models"):
+        shutil.copytree(reference_run / rel, ws / rel)
+    res = sh(["qerl", "run", "-c", "params.yaml"], cwd=ws)
+    started = re.findall(r"… (\w+@\w+|\w+)$", res.stdout + res.stderr, flags=re.M)
+    # prepare, convert and init_adapter rebuild what the state leaves out (data, the base, adapters/step=0)
+    rebuilt = ("prepare", "convert", "init_adapter")
+    assert [s for s in started if s not in rebuilt] == [f"eval@{STEPS}", "report"], started
+    rel = f"eval/step={STEPS}/samples.parquet"
+    assert (ws / rel).read_bytes() == (reference_run / rel).read_bytes()
