@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -68,15 +69,32 @@ def prefect_server():
         yield get_current_settings().api.url
 
 
+def first_deviation(a: Path, b: Path) -> str | None:
+    """The first of `SAME_BYTES` whose bytes differ between workspaces a and b, or None."""
+    return next((rel for rel in SAME_BYTES if (a / rel).read_bytes() != (b / rel).read_bytes()), None)
+
+
 @pytest.fixture(scope="module")
-def flow_done(prefect_server, tiny_pipeline, tmp_path_factory):
-    """A fresh repository of the tests' pipeline after one `qerl-train` flow run."""
+def flow_done(prefect_server, tiny_pipeline, dvc_repro_done, tmp_path_factory):
+    """A fresh repository of the tests' pipeline after one `qerl-train` flow run.
+
+    A stage in a fresh process now and then computes its floats differently in the last bits
+    (docs/reliability.md, "One-off deviations"); session 37's retry saw eval@0's sampled logprobs
+    of this very flow run 1e-5 off dvc repro's, same tokens. The `reproduces` tests get one rerun for
+    that, and this reference gets the same: when its bytes differ from `dvc_repro_done`'s, the flow
+    runs once more in a fresh repository, with a warning that names the file. A difference the code
+    makes comes back in the second run, and the tests that compare bytes fail on it."""
     from flows.train import train
 
-    repo = make_dvc_repo(tmp_path_factory.mktemp("flow_done") / "repo", tiny_pipeline)
-    t0 = time.perf_counter()
-    result = train(workspace=str(repo))
-    result["wall_s"] = time.perf_counter() - t0
+    for attempt in ("flow_done", "flow_done_rerun"):
+        repo = make_dvc_repo(tmp_path_factory.mktemp(attempt) / "repo", tiny_pipeline)
+        t0 = time.perf_counter()
+        result = train(workspace=str(repo))
+        result["wall_s"] = time.perf_counter() - t0
+        deviation = first_deviation(repo, dvc_repro_done)
+        if deviation is None:
+            break
+        warnings.warn(f"{attempt}: {deviation} differs from dvc repro's bytes", stacklevel=1)
     return repo, result
 
 
