@@ -208,34 +208,39 @@ def test_dvc_repro_resumes_after_kills_and_refuses_a_second_run(dvc_repro_done, 
     assert "up to date" in sh(["dvc", "status"], cwd=repo).stdout
 
 
+def moved_run(reference_run: Path, tmp_path: Path, removed: tuple[str, ...], trained: int) -> tuple[Path, set[str]]:
+    """The reference run cut back (`removed` deleted, leaving `trained` updates), moved as its
+    `run.resume_state` into a new workspace beside the params and the `data/` and `models/` that
+    prepare and convert remake there. Returns the new workspace and the state's relative paths."""
+    from qerl_lib.run import resume_state, steps_trained
+
+    old = tmp_path / "old"
+    shutil.copytree(reference_run, old)
+    for rel in removed:
+        shutil.rmtree(old / rel)
+    assert steps_trained(Layout(old)) == trained
+    rels = {str(f.relative_to(old)) for f in resume_state(Layout(old))}
+    ws = tmp_path / "new"
+    for rel in rels:
+        (ws / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(old / rel, ws / rel)
+    shutil.copy(reference_run / "params.yaml", ws / "params.yaml")
+    for rel in ("data", "models"):
+        shutil.copytree(reference_run / rel, ws / rel)
+    return ws, rels
+
+
 @pytest.mark.reproduces
 def test_a_run_continues_on_another_machine_from_its_resume_state(reference_run, tmp_path):
     """A run stopped after update@0, moved as `run.resume_state` (config, adapter 1 with its optimizer
     and trainer state, step 0's metric files, evaluation 0) into a workspace where `data/` and `models/`
     are remade, continues at step 1: step 0's rollouts, gone, are not generated again, and every later
     output has the bytes of the uninterrupted run."""
-    from qerl_lib.run import resume_state, steps_trained
-
-    old = tmp_path / "old"
-    shutil.copytree(reference_run, old)
-    for rel in ("rollouts/step=1", "rewards/step=1", "metrics/step=1", "adapters/step=2", f"eval/step={STEPS}",
-                "reports"):
-        shutil.rmtree(old / rel)
-    lay_old = Layout(old)
-    assert steps_trained(lay_old) == 1
-    files = resume_state(lay_old)
-    rels = {str(f.relative_to(old)) for f in files}
+    ws, rels = moved_run(reference_run, tmp_path, ("rollouts/step=1", "rewards/step=1", "metrics/step=1",
+                                                   "adapters/step=2", f"eval/step={STEPS}", "reports"), trained=1)
     assert {"config.yaml", "adapters/step=1/optimizer.pt", "adapters/step=1/trainer_state.json",
             "metrics/step=0/update.json", "rewards/step=0/metrics.json", "eval/step=0/metrics.json"} <= rels
     assert not {r for r in rels if r.endswith(".parquet") or r.startswith(("adapters/step=0", "models", "data"))}
-
-    ws = tmp_path / "new"
-    for rel in rels:
-        (ws / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(old / rel, ws / rel)
-    shutil.copy(reference_run / "params.yaml", ws / "params.yaml")
-    for rel in ("data", "models"):  # what prepare and convert remake there
-        shutil.copytree(reference_run / rel, ws / rel)
     res = sh(["qerl", "run", "-c", "params.yaml"], cwd=ws)
     lay = Layout(ws)
     assert "rollout@0: done before, skipped" in res.stdout + res.stderr
@@ -252,22 +257,7 @@ def test_a_run_moved_after_its_last_update_only_evaluates(reference_run, tmp_pat
     """A run whose deadline cut its final evaluation after every update (issue 16's recipe 3 BF16 run,
     session 37) moves as its resume state at N = run.steps: `qerl run` there starts eval@N and the
     report and nothing else, and the evaluation has the uninterrupted run's bytes."""
-    from qerl_lib.run import resume_state, steps_trained
-
-    old = tmp_path / "old"
-    shutil.copytree(reference_run, old)
-    for rel in (f"eval/step={STEPS}", "reports"):
-        shutil.rmtree(old / rel)
-    lay_old = Layout(old)
-    assert steps_trained(lay_old) == STEPS
-    ws = tmp_path / "new"
-    for f in resume_state(lay_old):
-        rel = f.relative_to(old)
-        (ws / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(f, ws / rel)
-    shutil.copy(reference_run / "params.yaml", ws / "params.yaml")
-    for rel in ("data", "models"):
-        shutil.copytree(reference_run / rel, ws / rel)
+    ws, _ = moved_run(reference_run, tmp_path, (f"eval/step={STEPS}", "reports"), trained=STEPS)
     res = sh(["qerl", "run", "-c", "params.yaml"], cwd=ws)
     started = re.findall(r"… (\w+@\w+|\w+)$", res.stdout + res.stderr, flags=re.M)
     # prepare, convert and init_adapter rebuild what the state leaves out (data, the base, adapters/step=0)
