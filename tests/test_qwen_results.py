@@ -282,10 +282,10 @@ def test_an_archive_taken_mid_run_gets_its_steps_rebuilt(summarize, tmp_path):
 
 
 def test_recipe_3_summary_is_recomputed_from_its_committed_runs(summarize, tmp_path, monkeypatch):
-    """Recipe 3's summary, base rows from recipe 2's summary by checkpoint hash, as committed. Both of its
-    runs are `incomplete` with their step-60 evaluations: the GPTQ arm lost its machine after 81 updates
-    (session 36); BF16's rerun (session 37) made all 120 updates, and its deadline cut the step-120
-    evaluation."""
+    """Recipe 3's summary, base rows from recipe 2's summary by checkpoint hash, as committed. BF16 seed 0
+    is complete (session 38: 120 updates and the step-120 evaluation, its step-60 evaluation left out with
+    `-s eval.every=120`); the GPTQ arm is `incomplete` with its step-60 evaluation (it lost its machine
+    after 81 updates in session 36)."""
     monkeypatch.chdir(ROOT)
     v3 = ROOT / "experiments" / "qwen05_gsm8k_v3" / "results"
     committed_v3 = json.loads((v3 / "summary.json").read_text())
@@ -293,8 +293,35 @@ def test_recipe_3_summary_is_recomputed_from_its_committed_runs(summarize, tmp_p
     shutil.copytree(v3 / "runs", out / "runs")
     got = summarize.summarize(out, "qwen05_gsm8k_v3", Path("experiments/qwen05_gsm8k_v2/results/summary.json"))
     assert got == committed_v3
-    assert {(r["arm"], r["steps"], r["planned"]) for r in got["incomplete"]} == {("bf16", 120, 120),
-                                                                                ("nvfp4_aqn_gptq", 81, 120)}
+    assert {(r["arm"], r["steps"], r["planned"]) for r in got["incomplete"]} == {("nvfp4_aqn_gptq", 81, 120)}
+    assert [(r["arm"], r["seed"], r["steps"], r["n_test"]) for r in got["rows"] if r["steps"]] == [
+        ("bf16", 0, 120, 1319)]
+
+
+def test_a_run_command_names_the_overrides_it_ran_with(summarize, tmp_path):
+    """A device run started with `QWEN_RUN_SET="-s eval.every=120"` records that override in its command;
+    a run with its arm's own `eval.every` records none."""
+    import yaml
+
+    arm = yaml.safe_load((ROOT / "experiments/qwen05_gsm8k_v3/bf16.yaml").read_text())
+    for every, expect in ((120, " -s eval.every=120 "), (arm["eval"]["every"], " --root ")):
+        ws = tmp_path / str(every) / "bf16" / "seed2"
+        ws.mkdir(parents=True)
+        cfg = {**arm, "eval": {**arm["eval"], "every": every}}
+        (ws / "config.yaml").write_text(yaml.safe_dump(cfg))
+        command = summarize.run_command(ws, "qwen05_gsm8k_v3")
+        assert "-s run.seed=2 -s aqn.seed=1236 -s eval.base=false" + expect in command
+        assert command.count("eval.every") == (every != arm["eval"]["every"])
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/results_qwen05_gsm8k.md", "experiments/qwen05_gsm8k_v3/README.md"])
+def test_docs_quote_recipe_3s_final_evaluations(doc):
+    committed_v3 = json.loads((ROOT / "experiments/qwen05_gsm8k_v3/results/summary.json").read_text())
+    text = (ROOT / doc).read_text()
+    for run in committed_v3["rows"]:
+        if run["steps"]:
+            quoted = f"{run['greedy_acc']:.3f} / {run['pass1']:.3f}"
+            assert quoted in text, f"{doc}: {run['arm']} seed {run['seed']} should quote {quoted} at step 120"
 
 
 @pytest.mark.parametrize("doc", ["README.md", "docs/results_qwen05_gsm8k.md", "experiments/qwen05_gsm8k_v3/README.md"])

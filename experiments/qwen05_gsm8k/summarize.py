@@ -82,15 +82,26 @@ def _num(v: str):
     return int(x) if x.is_integer() and "." not in v and "e" not in v.lower() else x
 
 
+RUN_OVERRIDABLE = [("eval", "every")]
+"""Fields a device run may override (`QWEN_RUN_SET`) without changing what it trains: `run_command`
+names them when the run's `config.yaml` differs from its arm's file."""
+
+
 def run_command(ws: Path, experiment: str = DEFAULT_EXPERIMENT) -> str:
-    """The command that made workspace `ws`'s files (its own `config.yaml` says seed and base eval)."""
+    """The command that made workspace `ws`'s files (its own `config.yaml` says seed, base eval and any
+    `RUN_OVERRIDABLE` field that differs from `experiments/<experiment>/<arm>.yaml`)."""
     import yaml
 
     arm, seed = ws.parent.name, int(ws.name[4:])
     cfg = yaml.safe_load((ws / "config.yaml").read_text()) if (ws / "config.yaml").is_file() else {}
     base = str(cfg.get("eval", {}).get("base", True)).lower()
+    arm_file = EXPERIMENTS / experiment / f"{arm}.yaml"
+    planned = yaml.safe_load(arm_file.read_text()) if arm_file.is_file() else {}
+    extra = "".join(f" -s {sec}.{key}={cfg[sec][key]}" for sec, key in RUN_OVERRIDABLE
+                    if key in cfg.get(sec, {}) and key in planned.get(sec, {})
+                    and cfg[sec][key] != planned[sec][key])
     return (f"python -m qerl_lib run -c experiments/{experiment}/{arm}.yaml -s data.source=<gsm8k dir> "
-            f"-s run.seed={seed} -s aqn.seed={1234 + seed} -s eval.base={base} --root <workspace> "
+            f"-s run.seed={seed} -s aqn.seed={1234 + seed} -s eval.base={base}{extra} --root <workspace> "
             "(through `scripts/device_experiment.sh qwen-arms`; calls in docs/results_qwen05_gsm8k.md)")
 
 
