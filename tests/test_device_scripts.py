@@ -8,6 +8,7 @@ And its `qwen_claim`: a run workspace on the machine belongs to one experiment.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -66,10 +67,10 @@ def test_the_working_tree_leaves_room_for_vllms_first_piece():
     the GPU machine."""
     piece = ROOT / ".device" / "vllm" / "a"
     first = sum(f.stat().st_size for f in piece.rglob("*") if f.is_file()) if piece.is_dir() else VLLM_FIRST_PIECE
-    limit = int(subprocess.run(["bash", "-c", f"source <(grep '^CARRY_MAX=' {SCRIPT}); echo $CARRY_MAX"],
-                               capture_output=True, text=True, check=True, env={"PATH": os.environ["PATH"]}).stdout)
-    room = limit - first - tree_bytes()
-    assert room >= TREE_MARGIN, (f"the working tree ({tree_bytes() / 2**20:.2f} MiB) leaves {room / 2**20:.2f} MiB "
+    limit = int(re.search(r"^CARRY_MAX=\$\{CARRY_MAX:-(\d+)\}", SCRIPT.read_text(), re.M).group(1))
+    tree = tree_bytes()
+    room = limit - first - tree
+    assert room >= TREE_MARGIN, (f"the working tree ({tree / 2**20:.2f} MiB) leaves {room / 2**20:.2f} MiB "
                                  f"beside vLLM's first piece ({first / 2**20:.2f} MiB) under {limit / 2**20:.2f} MiB")
 
 
