@@ -43,6 +43,7 @@ cmd=${1:-help}
 shift || true
 OUT=${OUT:-/tmp/qerl-out}
 EXP=${QERL_EXP:-/tmp/qerl-exp}  # the machine's workspace root (QERL_EXP: the tests' own)
+QERL_VLLM_SITE=${QERL_VLLM_SITE:-/tmp/vllm-site}  # where .device/vllm's install.sh put vLLM (the tests' own elsewhere)
 # bytes per Qwen piece. A call carries the working tree too: 13.1 MB in session 27, when 55,000,000-B pieces
 # stopped fitting (carry-check below), so pieces leave room for a tree of up to about 15 MiB.
 QWEN_PIECE_MAX=${QWEN_PIECE_MAX:-50000000}
@@ -57,14 +58,14 @@ PIECE_BYTES=(58000000 36000000)  # GGUF bytes in pieces a and b (c: the rest): a
 
 exp_env() {
   # the wheels first: llm-compressor wants compressed-tensors 0.19 (vLLM's set has 0.17); the runs put vLLM's first
-  export PYTHONPATH=$EXP/site:/tmp/vllm-site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+  export PYTHONPATH=$EXP/site:$QERL_VLLM_SITE:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
   export DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 VLLM_NO_USAGE_STATS=1
   export QERL_CACHE_DIR=$EXP/cache  # where qwen05 places the joined GGUF (qerl_lib.registry_models.cache_dir)
 }
 
 run_env() {  # exp_env for the runs and evaluations: vLLM's packages first (flashinfer is not carried)
   exp_env
-  export PYTHONPATH=/tmp/vllm-site:$EXP/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
+  export PYTHONPATH=$QERL_VLLM_SITE:$EXP/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
 }
 
 pack() {
@@ -414,7 +415,7 @@ qwen_template() {  # ARM -> its checkpoint's template: tmpl/QUANT, with _OBSERVE
 }
 
 qwen_arms() {
-  [ -f /tmp/vllm-site/.complete ] || { echo "vLLM is not installed in /tmp/vllm-site" >&2; return 2; }
+  [ -f $QERL_VLLM_SITE/.complete ] || { echo "vLLM is not installed in $QERL_VLLM_SITE" >&2; return 2; }
   (qwen_convert) || return $?  # the templates QWEN_RUNS needs, those not yet converted (foreground)
   run_env
   local r arm seed base quant ws t0=$SECONDS pids=() n=0 logs=$EXP/logs
@@ -463,7 +464,7 @@ qwen_arms() {
 qwen_collect() {  # metrics, reports, configs, logs and a few rows of every run: one archive (8 files come back at most)
   local tag=${QWEN_TAG:-$(date +%H%M%S)} ws
   for ws in $EXP/runs/*/seed*; do
-    [ -f "$ws/config.yaml" ] && PYTHONPATH=/tmp/vllm-site:$EXP/site:$PWD python3 -m qerl_lib stage report \
+    [ -f "$ws/config.yaml" ] && PYTHONPATH=$QERL_VLLM_SITE:$EXP/site:$PWD python3 -m qerl_lib stage report \
       -c "$ws/config.yaml" --root "$ws" > /dev/null 2>&1 &
   done
   wait
@@ -493,14 +494,16 @@ qwen_base_evals() {  # ARM ...: each arm's base checkpoint (converted here; GPTQ
   # at step 0 (the zero adapter: the base's own accuracy), without training: a cheap side-by-side of NVFP4 bases.
   # Evaluations start as soon as their checkpoint is ready (conversions stay sequential, evaluations overlap);
   # each metrics.json goes to $OUT the moment it exists, so a call cut short still returns the ones done.
-  [ -f /tmp/vllm-site/.complete ] || { echo "vLLM is not installed in /tmp/vllm-site" >&2; return 2; }
+  [ -f $QERL_VLLM_SITE/.complete ] || { echo "vLLM is not installed in $QERL_VLLM_SITE" >&2; return 2; }
   [ -f $EXP/site/.w ] || { echo "wheels missing: run keep-w first" >&2; return 3; }
+  # QWEN_BASE_WS (default seed0): the workspace under runs/ARM. Another name (e.g. base) lets a base evaluation run beside
+  # that arm's seed-0 training run, on the same GPU; QWEN_COLLECT=0 then leaves the archive to the training's qwen-wait.
   local arm tq quant ws t0=$SECONDS pids=() logs=$EXP/logs cfg
   mkdir -p "$OUT" $logs
   (exp_env; qwen_convert_bf16) || return 7
   echo "[$((SECONDS - t0)) s] bf16 base ready"
   for arm in "$@"; do
-    tq=$(qwen_template "$arm"); quant=${tq%%_*}; cfg=$(qwen_cfg "$arm"); ws=$EXP/runs/$arm/seed0
+    tq=$(qwen_template "$arm"); quant=${tq%%_*}; cfg=$(qwen_cfg "$arm"); ws=$EXP/runs/$arm/${QWEN_BASE_WS:-seed0}
     if [ "$tq" != bf16 ]; then
       (exp_env; qwen_convert_from_base "$tq" "$arm") || return 7
     fi
@@ -515,6 +518,7 @@ qwen_base_evals() {  # ARM ...: each arm's base checkpoint (converted here; GPTQ
       { python3 -m qerl_lib stage prepare "$@" && python3 -m qerl_lib stage init_adapter "$@" \
           && python3 -m qerl_lib stage eval --step 0 "$@"; } >> "$logs/$arm.base.log" 2>&1
       rc=$?; cp "$ws/eval/step=0/metrics.json" "$OUT/$arm.step0_metrics.json" 2>/dev/null
+      cp "$logs/$arm.base.log" "$OUT/" 2>/dev/null  # summarize.py --base-evals keeps its stage lines
       echo "[$((SECONDS - t0)) s] base eval $arm: rc=$rc $(cat "$ws/eval/step=0/metrics.json" 2>/dev/null | head -c 400)" ) &
     pids+=($!)
     sleep 3  # engines that profile their memory at the same instant misjudge it
@@ -522,7 +526,7 @@ qwen_base_evals() {  # ARM ...: each arm's base checkpoint (converted here; GPTQ
   wait "${pids[@]}"
   echo "qwen base evals: $((SECONDS - t0)) s"
   tail -n 5 $logs/*.base.log
-  qwen_collect
+  if [ "${QWEN_COLLECT:-1}" = 1 ]; then qwen_collect; fi
 }
 
 # A run that must outlive its machine (a lease's budget, a machine taken back) moves as its resume state

@@ -160,3 +160,48 @@ def test_a_runs_resume_state_travels_in_pieces_and_is_checked(reference_run, tmp
     r = script("qwen-restore", QERL_EXP=str(tmp_path / "exp3"), STATE_DIR=str(state))
     assert r.returncode == 4 and "do not match" in r.stderr and "bf16.seed0.manifest" in r.stderr
     assert not (tmp_path / "exp3" / "runs" / "bf16" / "seed0" / "config.yaml").exists()
+
+
+STUB_PYTHON = """#!/usr/bin/env bash
+# python3 -m qerl_lib stage STAGE ... --root WS: logged; `eval` writes WS/eval/step=0/metrics.json
+echo "$*" >> "$STUB_LOG"
+root=${@: -1}
+echo "$4: done"
+if [ "$4" = eval ]; then mkdir -p "$root/eval/step=0" && echo '{"greedy_acc": 0.5, "pass1": 0.4}' > "$root/eval/step=0/metrics.json"; fi
+"""
+
+
+def test_a_base_evaluation_beside_a_training_run_keeps_to_its_own_workspace(tmp_path):
+    """QWEN_BASE_WS=base: the 1.5B's base is evaluated in runs/bf16/base while its seed-0 run trains in
+    runs/bf16/seed0 on the same GPU. Its prepare, init_adapter and step-0 eval all name the base workspace,
+    the training run's files stay as they were, and $OUT gets what `summarize.py --base-evals` reads
+    (metrics, convert report, log); QWEN_COLLECT=0 leaves the archive to the training's qwen-wait."""
+    exp, out, bin_ = tmp_path / "exp", tmp_path / "out", tmp_path / "bin"
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / ".complete").touch()
+    (exp / "site").mkdir(parents=True)
+    (exp / "site" / ".w").touch()
+    for d in ("base", "bf16"):
+        (exp / "tmpl" / "bf16" / "models" / d).mkdir(parents=True)
+    (exp / "tmpl" / "bf16" / "models" / "bf16" / "convert_report.json").write_text('{"checkpoint_hash": "c2755f5a"}')
+    train = exp / "runs" / "bf16" / "seed0"
+    train.mkdir(parents=True)
+    (train / "EXPERIMENT").write_text("qwen15_gsm8k\n")
+    (train / "config.yaml").write_text("training\n")
+    bin_.mkdir()
+    (bin_ / "python3").write_text(STUB_PYTHON)
+    (bin_ / "python3").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_}{os.pathsep}{os.environ['PATH']}", STUB_LOG=str(tmp_path / "calls"),
+               QERL_EXP=str(exp), QERL_VLLM_SITE=str(tmp_path / "vllm"), OUT=str(out),
+               QWEN_EXPERIMENT="qwen15_gsm8k", QWEN_BASE_WS="base", QWEN_COLLECT="0")
+    r = subprocess.run(["bash", str(SCRIPT), "qwen-base-evals", "bf16"], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert [c.split()[3] for c in calls] == ["prepare", "init_adapter", "eval"]
+    assert all(c.endswith(f"--root {exp}/runs/bf16/base") and "-c experiments/qwen15_gsm8k/bf16.yaml" in c for c in calls)
+    assert sorted(p.name for p in train.iterdir()) == ["EXPERIMENT", "config.yaml"]
+    assert (train / "config.yaml").read_text() == "training\n"
+    assert sorted(p.name for p in out.iterdir()) == ["bf16.base.log", "bf16.convert_report.json",
+                                                     "bf16.step0_metrics.json"]
+    assert "eval: done" in (out / "bf16.base.log").read_text()
