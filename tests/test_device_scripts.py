@@ -104,8 +104,9 @@ def test_a_workspace_of_another_experiment_is_refused(tmp_path):
 
 
 def script(cmd: str, *args: str, **env: str) -> subprocess.CompletedProcess:
-    """`scripts/device_experiment.sh CMD ARGS` with `env` added, the venv's python3 first on PATH."""
-    full = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **env)
+    """`scripts/device_experiment.sh CMD ARGS` with `env` added, the venv's python3 first on PATH (unless
+    `env` brings a PATH of its own)."""
+    full = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **env}
     return subprocess.run(["bash", str(SCRIPT), cmd, *args], capture_output=True, text=True, env=full, cwd=ROOT,
                           timeout=300)
 
@@ -191,11 +192,9 @@ def test_a_base_evaluation_beside_a_training_run_keeps_to_its_own_workspace(tmp_
     bin_.mkdir()
     (bin_ / "python3").write_text(STUB_PYTHON)
     (bin_ / "python3").chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_}{os.pathsep}{os.environ['PATH']}", STUB_LOG=str(tmp_path / "calls"),
-               QERL_EXP=str(exp), QERL_VLLM_SITE=str(tmp_path / "vllm"), OUT=str(out),
-               QWEN_EXPERIMENT="qwen15_gsm8k", QWEN_BASE_WS="base", QWEN_COLLECT="0")
-    r = subprocess.run(["bash", str(SCRIPT), "qwen-base-evals", "bf16"], capture_output=True, text=True, env=env,
-                       cwd=ROOT, timeout=120)
+    r = script("qwen-base-evals", "bf16", PATH=f"{bin_}{os.pathsep}{os.environ['PATH']}",
+               STUB_LOG=str(tmp_path / "calls"), QERL_EXP=str(exp), QERL_VLLM_SITE=str(tmp_path / "vllm"),
+               OUT=str(out), QWEN_EXPERIMENT="qwen15_gsm8k", QWEN_BASE_WS="base", QWEN_COLLECT="0")
     assert r.returncode == 0, r.stdout + r.stderr
     calls = (tmp_path / "calls").read_text().splitlines()
     assert [c.split()[3] for c in calls] == ["prepare", "init_adapter", "eval"]
