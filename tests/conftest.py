@@ -360,13 +360,33 @@ def make_dvc_repo(dest: Path, tree: dict) -> Path:
     return dest
 
 
+def first_deviation(a: Path, b: Path, rels) -> str | None:
+    """The first of `rels` (paths relative to a workspace) whose bytes differ between a and b, or None."""
+    return next((rel for rel in rels if (a / rel).read_bytes() != (b / rel).read_bytes()), None)
+
+
 @pytest.fixture(scope="session")
-def dvc_repro_done(tiny_pipeline, tmp_path_factory) -> Path:
+def dvc_repro_done(tiny_pipeline, reference_run, tmp_path_factory) -> Path:
     """A git + DVC repository (`make_dvc_repo`) of the tests' pipeline after a whole `dvc repro`.
-    Tests that change it work on a copy (`copy_repo`)."""
-    repo = make_dvc_repo(tmp_path_factory.mktemp("dvc_done") / "repo", tiny_pipeline)
-    res = sh(["dvc", "repro"], cwd=repo, timeout=900)
-    assert "Running stage 'report'" in res.stdout, res.stdout[-3000:]
+    Tests that change it work on a copy (`copy_repo`).
+
+    A stage in a fresh process now and then computes its floats differently in the last bits
+    (docs/reliability.md, "One-off deviations"); twice, in CI and in a local suite at 3c27b22, it was
+    this repository's update@1, and every test compared against it failed, rerun or not. So this
+    reference gets the rerun that `flow_done` has: when its bytes differ from `reference_run`'s
+    (`qerl run`, one process), `dvc repro` runs once more in a fresh repository, with a warning that
+    names the file. A difference the code makes comes back in the second run, and
+    `test_dvc_repro_gives_the_bytes_of_qerl_run` fails on it."""
+    from test_dvc import SAME_BYTES
+
+    for attempt in ("dvc_done", "dvc_done_rerun"):
+        repo = make_dvc_repo(tmp_path_factory.mktemp(attempt) / "repo", tiny_pipeline)
+        res = sh(["dvc", "repro"], cwd=repo, timeout=900)
+        assert "Running stage 'report'" in res.stdout, res.stdout[-3000:]
+        deviation = first_deviation(repo, reference_run, SAME_BYTES)
+        if deviation is None:
+            break
+        warnings.warn(f"{attempt}: {deviation} differs from qerl run's bytes", stacklevel=1)
     return repo
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import PROJECT_ROOT, copy_repo, make_dvc_repo, quiet_env
+from conftest import PROJECT_ROOT, copy_repo, first_deviation, make_dvc_repo, quiet_env
 
 STEPS = 2
 EVALS = [0, 2]
@@ -69,11 +69,6 @@ def prefect_server():
         yield get_current_settings().api.url
 
 
-def first_deviation(a: Path, b: Path) -> str | None:
-    """The first of `SAME_BYTES` whose bytes differ between workspaces a and b, or None."""
-    return next((rel for rel in SAME_BYTES if (a / rel).read_bytes() != (b / rel).read_bytes()), None)
-
-
 @pytest.fixture(scope="module")
 def flow_done(prefect_server, tiny_pipeline, dvc_repro_done, tmp_path_factory):
     """A fresh repository of the tests' pipeline after one `qerl-train` flow run.
@@ -91,7 +86,7 @@ def flow_done(prefect_server, tiny_pipeline, dvc_repro_done, tmp_path_factory):
         t0 = time.perf_counter()
         result = train(workspace=str(repo))
         result["wall_s"] = time.perf_counter() - t0
-        deviation = first_deviation(repo, dvc_repro_done)
+        deviation = first_deviation(repo, dvc_repro_done, SAME_BYTES)
         if deviation is None:
             break
         warnings.warn(f"{attempt}: {deviation} differs from dvc repro's bytes", stacklevel=1)
