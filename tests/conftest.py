@@ -332,14 +332,40 @@ def tiny_pipeline(tiny_stoppy_llama_dir) -> dict:
     return tiny_pipeline_tree(tiny_stoppy_llama_dir)
 
 
+def first_deviation(a: Path, b: Path, rels) -> str | None:
+    """The first of `rels` (paths relative to a workspace) whose bytes differ between a and b, or None."""
+    return next((rel for rel in rels if (a / rel).read_bytes() != (b / rel).read_bytes()), None)
+
+
 @pytest.fixture(scope="session")
 def reference_run(tiny_pipeline, tmp_path_factory) -> Path:
     """A finished, uninterrupted `qerl run -c params.yaml` of the tests' pipeline (run.root '.')
-    in its own directory: what DVC and every resumed run must equal byte for byte."""
-    ws = tmp_path_factory.mktemp("reference_run")
-    write_params(ws, tiny_pipeline)
-    sh(["qerl", "run", "-c", "params.yaml"], cwd=ws, timeout=600)
-    return ws
+    in its own directory: what DVC and every resumed run must equal byte for byte.
+
+    It runs twice, in two processes (a few seconds each): a one-off deviation in the last bits
+    (docs/reliability.md, "One-off deviations") inside the reference would fail every test compared
+    against it, rerun or not. When the two runs' `SAME_BYTES` differ, a third run decides, and the
+    first of the two that agrees with it is returned, with a warning that names the file. Three
+    different results mean that the code itself does not repeat, and the fixture fails."""
+    from test_dvc import SAME_BYTES
+
+    def run(name: str) -> Path:
+        ws = tmp_path_factory.mktemp(name)
+        write_params(ws, tiny_pipeline)
+        sh(["qerl", "run", "-c", "params.yaml"], cwd=ws, timeout=600)
+        return ws
+
+    first, second = run("reference_run"), run("reference_run_check")
+    deviation = first_deviation(first, second, SAME_BYTES)
+    if deviation is None:
+        return first
+    third = run("reference_run_vote")
+    for ws in (first, second):
+        if first_deviation(ws, third, SAME_BYTES) is None:
+            warnings.warn(f"reference_run: {deviation} differs between two runs; {ws.name} agrees with a third",
+                          stacklevel=1)
+            return ws
+    pytest.fail(f"reference_run: three runs of the pipeline give three different {deviation}")
 
 
 def make_dvc_repo(dest: Path, tree: dict) -> Path:
@@ -358,11 +384,6 @@ def make_dvc_repo(dest: Path, tree: dict) -> Path:
                      ignore=_shutil.ignore_patterns("__pycache__", "*.pyc"))
     write_params(dest, tree)
     return dest
-
-
-def first_deviation(a: Path, b: Path, rels) -> str | None:
-    """The first of `rels` (paths relative to a workspace) whose bytes differ between a and b, or None."""
-    return next((rel for rel in rels if (a / rel).read_bytes() != (b / rel).read_bytes()), None)
 
 
 @pytest.fixture(scope="session")
