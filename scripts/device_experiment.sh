@@ -63,6 +63,10 @@ exp_env() {
   export QERL_CACHE_DIR=$EXP/cache  # where qwen05 places the joined GGUF (qerl_lib.registry_models.cache_dir)
 }
 
+need_vllm() {  # the runs and base evaluations start vLLM engines: refuse before converting anything
+  [ -f "$QERL_VLLM_SITE/.complete" ] || { echo "vLLM is not installed in $QERL_VLLM_SITE" >&2; return 2; }
+}
+
 run_env() {  # exp_env for the runs and evaluations: vLLM's packages first (flashinfer is not carried)
   exp_env
   export PYTHONPATH=$QERL_VLLM_SITE:$EXP/site:$PWD VLLM_USE_FLASHINFER_SAMPLER=0
@@ -415,7 +419,7 @@ qwen_template() {  # ARM -> its checkpoint's template: tmpl/QUANT, with _OBSERVE
 }
 
 qwen_arms() {
-  [ -f $QERL_VLLM_SITE/.complete ] || { echo "vLLM is not installed in $QERL_VLLM_SITE" >&2; return 2; }
+  need_vllm || return $?
   (qwen_convert) || return $?  # the templates QWEN_RUNS needs, those not yet converted (foreground)
   run_env
   local r arm seed base quant ws t0=$SECONDS pids=() n=0 logs=$EXP/logs
@@ -494,7 +498,7 @@ qwen_base_evals() {  # ARM ...: each arm's base checkpoint (converted here; GPTQ
   # at step 0 (the zero adapter: the base's own accuracy), without training: a cheap side-by-side of NVFP4 bases.
   # Evaluations start as soon as their checkpoint is ready (conversions stay sequential, evaluations overlap);
   # each metrics.json goes to $OUT the moment it exists, so a call cut short still returns the ones done.
-  [ -f $QERL_VLLM_SITE/.complete ] || { echo "vLLM is not installed in $QERL_VLLM_SITE" >&2; return 2; }
+  need_vllm || return $?
   [ -f $EXP/site/.w ] || { echo "wheels missing: run keep-w first" >&2; return 3; }
   # QWEN_BASE_WS (default seed0): the workspace under runs/ARM. Another name (e.g. base) lets a base evaluation run beside
   # that arm's seed-0 training run, on the same GPU; QWEN_COLLECT=0 then leaves the archive to the training's qwen-wait.
