@@ -193,12 +193,15 @@ def test_real_05b_joins_to_the_pinned_file(real_05b):
 def test_real_05b_gguf_has_the_qwen_shapes_and_an_untied_output(real_05b):
     """transformers' GGUF config reader and gguf's tensor table (about 50 s on 2 busy cores)."""
     gguf = pytest.importorskip("gguf")
+    m = PACKAGED_MODELS["qwen2.5-coder-0.5b"]
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(str(real_05b.parent), gguf_file=real_05b.name)
     assert cfg.model_type == "qwen2"
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers) == (896, 4864, 24)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (14, 2)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    assert KV_BYTES_PER_TOKEN[m.name] == cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2 * 2
     assert cfg.tie_word_embeddings is False
     reader = gguf.GGUFReader(str(real_05b))
     types = {t.name: t.tensor_type.name for t in reader.tensors}
@@ -290,13 +293,23 @@ def test_qwen05_gsm8k_v3_is_recipe_2_run_twice_as_long():
         assert three[("run", "root")] == f"runs/qwen05_gsm8k_v3/{path.stem}/seed0", path.name
 
 
+# KV-cache bytes a token takes in vLLM (K and V, bf16, every layer): layers x KV heads x head dim x 2 x 2 B
+KV_BYTES_PER_TOKEN = {"qwen2.5-coder-0.5b": 24 * 2 * 64 * 2 * 2, "qwen2.5-coder-1.5b": 28 * 2 * 128 * 2 * 2}
+
+
 def test_qwen15_gsm8k_is_recipe_2_on_the_1_5b():
     """experiments/qwen15_gsm8k: issue 16's 1.5B arms are recipe 2's arms of the same name with only the model
-    changed, so the 1.5B's figures compare with the 0.5B's under one recipe."""
+    changed, so the 1.5B's figures compare with the 0.5B's under one recipe. The KV cache grows with the
+    model's bytes a token (28,672 against 12,288), so that it holds at least the tokens the 0.5B's held:
+    sequences in flight set the evaluation's speed, not its results."""
     exp, v2 = ROOT / "experiments" / "qwen15_gsm8k", ROOT / "experiments" / "qwen05_gsm8k_v2"
     assert sorted(p.stem for p in exp.glob("*.yaml")) == ["bf16", "nvfp4_aqn_gptq"]
+    kv = ("rollout", "vllm_kv_cache_gib")
     for path in sorted(exp.glob("*.yaml")):
         one, two = _flat_config(v2 / path.name), _flat_config(path)
-        assert {k for k in one if one[k] != two[k]} == {("run", "root"), ("model", "base")}, path.name
+        assert {k for k in one if one[k] != two[k]} == {("run", "root"), ("model", "base"), kv}, path.name
+        tokens_05b = one[kv] * 2**30 / KV_BYTES_PER_TOKEN["qwen2.5-coder-0.5b"]
+        tokens_15b = two[kv] * 2**30 / KV_BYTES_PER_TOKEN["qwen2.5-coder-1.5b"]
+        assert 1.0 <= tokens_15b / tokens_05b < 1.25, (path.name, tokens_05b, tokens_15b)
         assert two[("model", "base")] == "qwen2.5-coder-1.5b", path.name
         assert two[("run", "root")] == f"runs/qwen15_gsm8k/{path.stem}/seed0", path.name
