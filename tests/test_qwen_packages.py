@@ -193,8 +193,9 @@ def test_real_05b_joins_to_the_pinned_file(real_05b):
 def test_real_05b_gguf_has_the_qwen_shapes_and_an_untied_output(real_05b):
     """transformers' GGUF config reader and gguf's tensor table (about 50 s on 2 busy cores)."""
     gguf = pytest.importorskip("gguf")
-    m = PACKAGED_MODELS["qwen2.5-coder-0.5b"]
     from transformers import AutoConfig
+
+    m = PACKAGED_MODELS["qwen2.5-coder-0.5b"]
 
     cfg = AutoConfig.from_pretrained(str(real_05b.parent), gguf_file=real_05b.name)
     assert cfg.model_type == "qwen2"
@@ -301,7 +302,7 @@ def test_qwen15_gsm8k_is_recipe_2_on_the_1_5b():
     """experiments/qwen15_gsm8k: issue 16's 1.5B arms are recipe 2's arms of the same name with only the model
     changed, so the 1.5B's figures compare with the 0.5B's under one recipe. The KV cache grows with the
     model's bytes a token (28,672 against 12,288), so that it holds at least the tokens the 0.5B's held:
-    sequences in flight set the evaluation's speed, not its results."""
+    sequences in flight are speed, not the recipe."""
     exp, v2 = ROOT / "experiments" / "qwen15_gsm8k", ROOT / "experiments" / "qwen05_gsm8k_v2"
     assert sorted(p.stem for p in exp.glob("*.yaml")) == ["bf16", "nvfp4_aqn_gptq"]
     kv = ("rollout", "vllm_kv_cache_gib")
