@@ -303,10 +303,27 @@ def tiny_stoppy_llama_dir(tiny_llama_dir, tmp_path_factory) -> Path:
     return out
 
 
+# The tests' pipeline (`tiny_pipeline_tree`): its RL steps, the steps it evaluates after, and the files whose
+# bytes must not depend on the door (dvc repro / qerl run). update.json and the provenance files hold
+# wall-clock seconds; tests compare them without those keys.
+STEPS = 2
+EVALS = [0, 2]
+SAME_BYTES = (
+    [f"data/prepared/{s}.parquet" for s in ("train", "test")]
+    + ["models/nvfp4/model.safetensors", "models/nvfp4/convert_report.json"]
+    + [f"rollouts/step={i}/rollouts.parquet" for i in range(STEPS)]
+    + [f"rewards/step={i}/{n}" for i in range(STEPS) for n in ("scored.parquet", "metrics.json")]
+    + [f"adapters/step={i}/{n}" for i in range(STEPS + 1)
+       for n in ("adapter_model.safetensors", "adapter_config.json", "trainer_state.json")]
+    + [f"adapters/step={i}/optimizer.pt" for i in range(1, STEPS + 1)]
+    + [f"eval/step={k}/samples.parquet" for k in EVALS]
+)
+
+
 def tiny_pipeline_tree(base: Path) -> dict:
     """Config tree of the small two-step pipeline the DVC / resume / audit tests run (root '.')."""
     return {
-        "run": {"root": ".", "steps": 2, "seed": 0},
+        "run": {"root": ".", "steps": STEPS, "seed": 0},
         "model": {"base": str(base)},
         "data": {"synthetic_train": 16, "synthetic_test": 4},
         "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 8, "batch_size": 8},
@@ -347,8 +364,6 @@ def reference_run(tiny_pipeline, tmp_path_factory) -> Path:
     against it, rerun or not. When the two runs' `SAME_BYTES` differ, a third run decides, and the
     first of the two that agrees with it is returned, with a warning that names the file. Three
     different results mean that the code itself does not repeat, and the fixture fails."""
-    from test_dvc import SAME_BYTES
-
     def run(name: str) -> Path:
         ws = tmp_path_factory.mktemp(name)
         write_params(ws, tiny_pipeline)
@@ -398,8 +413,6 @@ def dvc_repro_done(tiny_pipeline, reference_run, tmp_path_factory) -> Path:
     (`qerl run`, one process), `dvc repro` runs once more in a fresh repository, with a warning that
     names the file. A difference the code makes comes back in the second run, and
     `test_dvc_repro_gives_the_bytes_of_qerl_run` fails on it."""
-    from test_dvc import SAME_BYTES
-
     for attempt in ("dvc_done", "dvc_done_rerun"):
         repo = make_dvc_repo(tmp_path_factory.mktemp(attempt) / "repo", tiny_pipeline)
         res = sh(["dvc", "repro"], cwd=repo, timeout=900)

@@ -16,25 +16,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import PROJECT_ROOT, copy_repo, sh, stages_run
+from conftest import EVALS, PROJECT_ROOT, SAME_BYTES, STEPS, copy_repo, sh, stages_run
 
 from qerl_lib.paths import Layout
 
-STEPS = 2
-EVALS = [0, 2]
-
-# Files whose bytes must not depend on the door (dvc repro / qerl run). update.json and the
-# provenance files hold wall-clock seconds; they are compared without those keys.
-SAME_BYTES = (
-    [f"data/prepared/{s}.parquet" for s in ("train", "test")]
-    + ["models/nvfp4/model.safetensors", "models/nvfp4/convert_report.json"]
-    + [f"rollouts/step={i}/rollouts.parquet" for i in range(STEPS)]
-    + [f"rewards/step={i}/{n}" for i in range(STEPS) for n in ("scored.parquet", "metrics.json")]
-    + [f"adapters/step={i}/{n}" for i in range(STEPS + 1)
-       for n in ("adapter_model.safetensors", "adapter_config.json", "trainer_state.json")]
-    + [f"adapters/step={i}/optimizer.pt" for i in range(1, STEPS + 1)]
-    + [f"eval/step={k}/samples.parquet" for k in EVALS]
-)
 TIMING_KEYS = {"seconds", "seconds_setup", "seconds_materialize", "seconds_convert"}
 
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import copy_repo, quiet_env, sh, stages_run
-from test_dvc import SAME_BYTES, STEPS, _without_timing
+from conftest import SAME_BYTES, STEPS, copy_repo, quiet_env, sh, stages_run
+from test_dvc import _without_timing
 
 from qerl_lib.paths import Layout
 
